@@ -1,0 +1,77 @@
+"""Architecture facts of a causal LM, read from an HF config.json (local dir or a bundled public config).
+
+Plan-time checks (TP/GQA rules, group sizes, memory) need these numbers before any weights exist,
+so public configs of models we have recipes for ship in ``pipeline/model_configs/<name>.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BUNDLED = Path(__file__).parent / "model_configs"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_type: str            # HF model_type: llama, qwen2, ...
+    architecture: str          # HF architectures[0]: LlamaForCausalLM, Qwen2ForCausalLM, ...
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+
+    @property
+    def num_params(self) -> int:
+        h, i, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        attn = h * self.num_heads * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h
+        emb = v * h * (1 if self.tie_word_embeddings else 2)
+        return l * per_layer + emb + h
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelInfo":
+        heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope = cfg.get("rope_theta")
+        if rope is None:
+            rope = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        return cls(
+            model_type=cfg.get("model_type", "llama"),
+            architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
+            hidden_size=hidden,
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rope_theta=float(rope),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "ModelInfo":
+        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+
+    @classmethod
+    def bundled(cls, name: str) -> "ModelInfo | None":
+        """Public config shipped with forge for ``name`` (e.g. 'Qwen/Qwen2.5-7B-Instruct'), or None."""
+        f = BUNDLED / (name.replace("/", "--") + ".json")
+        return cls.from_hf_config(json.loads(f.read_text())) if f.exists() else None

@@ -1,0 +1,75 @@
+"""FP32 PyTorch reference model: the yardstick every engine is validated against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.errors import ForgeError
+from pipeline.progress import progress_bar
+
+__all__ = ["TorchReference"]
+
+
+class TorchReference:
+    """An HF causal LM loaded in FP32 on CPU, in eval mode.
+
+    ``logits(input_ids)`` runs rows in mini-batches of ``batch_size`` (a progress bar per call);
+    ``generate_greedy(prompt_ids, n)`` prefills once and then feeds one token per step through the KV cache.
+    """
+
+    def __init__(self, hf_dir: str | Path, *, batch_size: int = 4, threads: int | None = None):
+        from transformers import AutoModelForCausalLM
+
+        hf_dir = Path(hf_dir)
+        if not (hf_dir / "config.json").exists():
+            raise ForgeError(f"reference model directory {hf_dir} has no config.json; point it at an HF model dir "
+                             "(the source stage's output)")
+        if threads:
+            torch.set_num_threads(threads)
+        self.hf_dir = hf_dir
+        self.batch_size = batch_size
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        self.model.eval()
+        self.config = self.model.config
+
+    @torch.inference_mode()
+    def logits(self, input_ids: Any, attention_mask: Any | None = None, *, desc: str = "reference logits") -> torch.Tensor:
+        ids = torch.as_tensor(np.asarray(input_ids) if not isinstance(input_ids, torch.Tensor) else input_ids,
+                              dtype=torch.long)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        mask = None if attention_mask is None else torch.as_tensor(np.asarray(attention_mask), dtype=torch.long)
+        out = []
+        with progress_bar(desc, ids.shape[0]) as advance:
+            for s in range(0, ids.shape[0], self.batch_size):
+                m = None if mask is None else mask[s:s + self.batch_size]
+                out.append(self.model(input_ids=ids[s:s + self.batch_size], attention_mask=m,
+                                      use_cache=False).logits.float())
+                advance(out[-1].shape[0])
+        return torch.cat(out, 0)
+
+    @torch.inference_mode()
+    def generate_greedy(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
+                        eos_token_id: int | None = None) -> list[int]:
+        """Greedy continuation (new tokens only) using the model's KV cache."""
+        from transformers import DynamicCache
+
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        cache = DynamicCache(config=self.config)
+        out: list[int] = []
+        with progress_bar("reference greedy", max_new_tokens) as advance:
+            step_in = ids
+            for _ in range(max_new_tokens):
+                res = self.model(input_ids=step_in, past_key_values=cache, use_cache=True)
+                cache = res.past_key_values
+                nxt = int(res.logits[0, -1].argmax())
+                out.append(nxt)
+                advance(1)
+                if eos_token_id is not None and nxt == eos_token_id:
+                    break
+                step_in = torch.tensor([[nxt]], dtype=torch.long)
+        return out

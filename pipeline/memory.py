@@ -1,0 +1,416 @@
+"""GPU memory planner: what one TP/PP rank of a TensorRT-LLM engine needs, and whether it fits a GPU.
+
+Per rank (the worst pipeline stage):
+
+* weights, by dtype / quantization algorithm: the decoder linears are split across TP ranks (column /
+  row parallel; KV heads are *duplicated* when tp > num_kv_heads); embedding and lm_head stay in the
+  activation dtype (ModelOpt excludes lm_head from quantization; the embedding table is replicated,
+  TensorRT-LLM's default ``use_parallel_embedding=False``); quantization scales are counted (per-channel
+  scales, AWQ group scales and pre-quant smoothing vectors).
+* KV cache = layers x kv_heads x head_dim x 2 (K and V) x tokens x bytes(kv dtype), for
+  ``max_batch_size x max_seq_len`` tokens, and rounded up to whole paged blocks of ``tokens_per_block``.
+* activations / workspace: one layer's live tensors for ``max_num_tokens`` packed tokens plus the fp32
+  logits of the last position of each sequence, plus a fixed runtime overhead (CUDA context, cuBLAS
+  workspace, NCCL buffers when tp > 1). This is an estimate; TensorRT reports the exact activation size
+  only after building the engine.
+
+``fit(plan, gpu)`` compares the total with a GPU from :mod:`pipeline.gpus` and, when it does not fit,
+says which ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens`` / ``kv_cache`` dtype / ``tp`` /
+``quant_algo`` would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import ForgeError
+from .gpus import GiB, GpuSpec
+from .modelinfo import ModelInfo
+
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
+KV_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
+
+# quant_algo -> (bits per weight element of the decoder linears, description)
+QUANT_ALGOS = {
+    "none": (None, "unquantized (activation dtype)"),
+    "fp16": (16, "fp16 weights"),
+    "bf16": (16, "bf16 weights"),
+    "fp32": (32, "fp32 weights"),
+    "int8_sq": (8, "INT8 SmoothQuant W8A8 (per-channel weight scales, smoothing vectors)"),
+    "int8_wo": (8, "INT8 weight-only (per-channel scales)"),
+    "int4_wo": (4, "INT4 weight-only (per-channel scales)"),
+    "int4_awq": (4, "INT4 AWQ (group scales, pre-quant smoothing vectors)"),
+    "fp8": (8, "FP8 E4M3 (per-tensor scales)"),
+}
+
+# Where each planner argument lives in a recipe (used in suggestions so a user can --set it).
+RECIPE_KEYS = {
+    "max_batch_size": "build.max_batch_size",
+    "max_seq_len": "build.max_seq_len",
+    "max_num_tokens": "build.max_num_tokens",
+    "kv_cache": "quantize.kv_cache",
+    "tp": "build.tp",
+    "pp": "build.pp",
+    "quant_algo": "quantize.algo",
+}
+
+DEFAULT_MAX_NUM_TOKENS = 8192          # trtllm-build's default
+DEFAULT_RUNTIME_OVERHEAD = 1 * GiB     # CUDA context + cuBLAS/cuBLASLt workspaces (measured 0.5-1 GiB)
+NCCL_OVERHEAD = GiB // 4               # NCCL buffers / all-reduce workspace per rank when tp > 1
+
+
+@dataclass
+class MemoryPlan:
+    model: dict[str, Any]
+    args: dict[str, Any]                    # the arguments plan_memory was called with (normalised)
+    layers_per_rank: int
+    kv_heads_per_rank: int
+    weights: dict[str, dict[str, Any]]      # part -> {"dtype": str, "bytes": int, "params": int}
+    weights_bytes: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int                     # max_batch_size x max_seq_len tokens, contiguous
+    kv_block_bytes: int
+    kv_blocks: int
+    kv_cache_paged_bytes: int               # whole blocks of tokens_per_block
+    activation_bytes: int
+    logits_bytes: int
+    runtime_bytes: int
+    total_bytes: int
+    notes: list[str] = field(default_factory=list)
+    _info: ModelInfo | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("_info", None)
+        return d
+
+
+@dataclass
+class Suggestion:
+    key: str              # planner argument (see RECIPE_KEYS for the recipe key)
+    value: Any
+    total_bytes: int
+    note: str
+
+    @property
+    def recipe_key(self) -> str:
+        return RECIPE_KEYS.get(self.key, self.key)
+
+
+@dataclass
+class FitVerdict:
+    gpu: str
+    capacity_bytes: int
+    needed_bytes: int
+    fits: bool
+    margin_bytes: int
+    problems: list[str]
+    suggestions: list[Suggestion]
+    max_batch_size_that_fits: int
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for s, so in zip(d["suggestions"], self.suggestions):
+            s["recipe_key"] = so.recipe_key
+        return d
+
+
+def _norm_quant(q: str | None) -> str:
+    q = (q or "none").lower()
+    if q not in QUANT_ALGOS:
+        raise ForgeError(f"unknown quant_algo {q!r} (recipe key {RECIPE_KEYS['quant_algo']}): "
+                         f"valid values are {', '.join(QUANT_ALGOS)}")
+    return q
+
+
+def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
+    kvh = info.num_kv_heads
+    if kvh % tp == 0:
+        return kvh // tp
+    if tp % kvh == 0:
+        return 1          # TensorRT-LLM duplicates KV heads so every rank has one
+    raise ForgeError(f"tp={tp} (recipe key {RECIPE_KEYS['tp']}) does not divide num_kv_heads={kvh} and is not a "
+                     f"multiple of it; use a tp that divides {kvh} or a multiple of {kvh}")
+
+
+def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size: int) -> tuple[int, int]:
+    """(weight bytes, scale bytes) of one linear layer [out_f x in_f] under ``quant``."""
+    n = in_f * out_f
+    if quant == "none":
+        return n * act_bytes, 0
+    if quant in ("fp16", "bf16"):
+        return n * 2, 0
+    if quant == "fp32":
+        return n * 4, 0
+    if quant == "int8_sq":   # fp32 per-channel weight scale, fp32 activation scale, fp16 smoothing vector
+        return n, out_f * 4 + 4 + in_f * 2
+    if quant == "int8_wo":
+        return n, out_f * act_bytes
+    if quant == "int4_wo":
+        return (n + 1) // 2, out_f * act_bytes
+    if quant == "int4_awq":
+        if in_f % group_size:
+            raise ForgeError(f"int4_awq group size {group_size} does not divide a linear input width {in_f}; "
+                             f"pick a group size that divides it (e.g. 64 or 128)")
+        return (n + 1) // 2, (in_f // group_size) * out_f * act_bytes + in_f * act_bytes
+    if quant == "fp8":
+        return n, 8
+    raise AssertionError(quant)
+
+
+def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | None = None,
+                dtype: str = "float16", tp: int = 1, pp: int = 1, max_batch_size: int = 8,
+                max_seq_len: int = 4096, max_num_tokens: int | None = None, tokens_per_block: int = 32,
+                group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD) -> MemoryPlan:
+    """Bytes one rank needs; see the module docstring for what is counted."""
+    quant = _norm_quant(quant_algo)
+    if dtype not in DTYPE_BYTES:
+        raise ForgeError(f"unknown dtype {dtype!r}: valid values are float16, bfloat16, float32")
+    act = DTYPE_BYTES[dtype]
+    kv_name = (kv_cache or dtype).lower()
+    if kv_name not in KV_BYTES:
+        raise ForgeError(f"unknown kv_cache dtype {kv_cache!r} (recipe key {RECIPE_KEYS['kv_cache']}): "
+                         f"valid values are fp16, bf16, fp32, int8, fp8")
+    kvb = KV_BYTES[kv_name]
+    for k, v in (("tp", tp), ("pp", pp), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
+                 ("tokens_per_block", tokens_per_block)):
+        if int(v) < 1:
+            raise ForgeError(f"{k} must be >= 1 (recipe key {RECIPE_KEYS.get(k, k)}), got {v}")
+    if info.num_heads % tp:
+        raise ForgeError(f"tp={tp} (recipe key {RECIPE_KEYS['tp']}) must divide num_attention_heads="
+                         f"{info.num_heads}")
+    if info.intermediate_size % tp:
+        raise ForgeError(f"tp={tp} must divide intermediate_size={info.intermediate_size}")
+    if pp > info.num_layers:
+        raise ForgeError(f"pp={pp} (recipe key {RECIPE_KEYS['pp']}) exceeds num_layers={info.num_layers}")
+    mnt_default = max_num_tokens is None
+    if max_num_tokens is None:
+        max_num_tokens = min(DEFAULT_MAX_NUM_TOKENS, max_batch_size * max_seq_len)
+
+    h, hd, i_sz = info.hidden_size, info.head_dim, info.intermediate_size
+    q_heads = info.num_heads // tp
+    kvr = _kv_heads_per_rank(info, tp)
+    layers = math.ceil(info.num_layers / pp)
+    i_r = i_sz // tp
+
+    linears = [(h, (q_heads + 2 * kvr) * hd),   # fused QKV (column parallel)
+               (q_heads * hd, h),               # attention dense (row parallel)
+               (h, i_r), (h, i_r),              # gate, up (column parallel)
+               (i_r, h)]                        # down (row parallel)
+    w_lin = s_lin = p_lin = 0
+    for in_f, out_f in linears:
+        wb, sb = _linear_bytes(quant, in_f, out_f, act, group_size)
+        w_lin += wb
+        s_lin += sb
+        p_lin += in_f * out_f
+    w_lin, s_lin, p_lin = w_lin * layers, s_lin * layers, p_lin * layers
+    bias_params = ((q_heads + 2 * kvr) * hd if info.attention_bias else 0)
+    norm_params = (2 * h + bias_params) * layers
+    emb_params = info.vocab_size * h
+    head_params = math.ceil(info.vocab_size / tp) * h
+
+    lin_dtype = {"none": dtype, "int8_sq": "int8", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4",
+                 "fp8": "fp8"}.get(quant, quant)
+    scale_dtype = "fp32/" + dtype if quant == "int8_sq" else ("fp32" if quant == "fp8" else dtype)
+    # Worst pipeline stage: with pp == 1 one rank holds both; with pp > 1 the first stage holds the
+    # embedding and the last stage lm_head + final norm; report the larger.
+    if pp == 1:
+        emb_b, head_b = emb_params * act, head_params * act + h * act
+    else:
+        emb_b, head_b = (emb_params * act, 0) if emb_params >= head_params else (0, head_params * act + h * act)
+    weights = {
+        "decoder linears": {"dtype": lin_dtype, "bytes": w_lin, "params": p_lin},
+        "quant scales": {"dtype": scale_dtype, "bytes": s_lin, "params": 0},
+        "norms/bias": {"dtype": dtype, "bytes": norm_params * act, "params": norm_params},
+        "embedding": {"dtype": dtype, "bytes": emb_b, "params": emb_params if emb_b else 0},
+        "lm_head": {"dtype": dtype, "bytes": head_b, "params": head_params if head_b else 0},
+    }
+    weights = {k: v for k, v in weights.items() if v["bytes"]}
+    weights_bytes = sum(v["bytes"] for v in weights.values())
+
+    kv_per_token = layers * kvr * hd * 2 * kvb
+    kv_tokens = max_batch_size * max_seq_len
+    blocks_per_seq = math.ceil(max_seq_len / tokens_per_block)
+    kv_blocks = max_batch_size * blocks_per_seq
+    kv_block_bytes = kv_per_token * tokens_per_block
+    kv_contig = kv_per_token * kv_tokens
+    kv_paged = kv_block_bytes * kv_blocks
+
+    per_token_act = (2 * h + (q_heads + 2 * kvr) * hd + q_heads * hd + 3 * i_r) * act
+    activation = per_token_act * max_num_tokens
+    logits = max_batch_size * math.ceil(info.vocab_size / tp) * 4
+    runtime = runtime_overhead + (NCCL_OVERHEAD if tp > 1 else 0)
+    total = weights_bytes + kv_paged + activation + logits + runtime
+
+    notes = []
+    if tp > info.num_kv_heads:
+        notes.append(f"tp={tp} > num_kv_heads={info.num_kv_heads}: KV heads are duplicated, each rank holds 1 "
+                     f"KV head (the KV cache does not shrink with tp beyond {info.num_kv_heads})")
+    if info.tie_word_embeddings:
+        notes.append("tied embeddings: the engine stores lm_head separately from the embedding table")
+    if mnt_default:
+        notes.append(f"max_num_tokens not set: using min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size x max_seq_len)"
+                     f" = {max_num_tokens}")
+    notes.append("TensorRT-LLM sizes the paged KV pool from free memory (kv_cache_free_gpu_mem_fraction, "
+                 "default 0.9); the KV figure here is what the configured worst case needs")
+    args = dict(quant_algo=quant, kv_cache=kv_name, dtype=dtype, tp=tp, pp=pp, max_batch_size=max_batch_size,
+                max_seq_len=max_seq_len, max_num_tokens=None if mnt_default else max_num_tokens,
+                tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead)
+    model = {"architecture": info.architecture, "num_layers": info.num_layers, "hidden_size": h,
+             "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads, "head_dim": hd,
+             "intermediate_size": i_sz, "vocab_size": info.vocab_size, "num_params": info.num_params,
+             "max_num_tokens_used": max_num_tokens}
+    return MemoryPlan(model=model, args=args, layers_per_rank=layers, kv_heads_per_rank=kvr, weights=weights,
+                      weights_bytes=weights_bytes, kv_bytes_per_token=kv_per_token, kv_cache_bytes=kv_contig,
+                      kv_block_bytes=kv_block_bytes, kv_blocks=kv_blocks, kv_cache_paged_bytes=kv_paged,
+                      activation_bytes=activation, logits_bytes=logits, runtime_bytes=runtime, total_bytes=total,
+                      notes=notes, _info=info)
+
+
+def _replan(plan: MemoryPlan, **changes) -> MemoryPlan | None:
+    try:
+        return plan_memory(plan._info, **{**plan.args, **changes})
+    except ForgeError:
+        return None
+
+
+def _largest(lo: int, hi: int, ok) -> int | None:
+    """Largest v in [lo, hi] with ok(v) true (ok monotone: true then false), or None."""
+    if hi < lo or not ok(lo):
+        return None
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _hw_problems(plan: MemoryPlan, gpu: GpuSpec) -> list[str]:
+    probs = []
+    sm = f"SM {gpu.sm[0]}.{gpu.sm[1]}"
+    if plan.args["quant_algo"] == "fp8" and not gpu.has_fp8:
+        probs.append(f"{gpu.name} ({sm}) has no FP8 tensor cores: set {RECIPE_KEYS['quant_algo']} to int8_sq "
+                     f"or int4_awq")
+    if plan.args["kv_cache"] == "fp8" and not gpu.has_fp8:
+        probs.append(f"{gpu.name} ({sm}) has no FP8: set {RECIPE_KEYS['kv_cache']}=int8")
+    if plan.args["dtype"] in ("bfloat16", "bf16") and gpu.sm < (8, 0):
+        probs.append(f"{gpu.name} ({sm}) has no bf16: use float16")
+    return probs
+
+
+def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
+    """Does one rank of ``plan`` fit ``gpu``? When not, which settings would (each changed alone)."""
+    cap = gpu.memory_bytes
+    probs = _hw_problems(plan, gpu)
+    fits_mem = plan.total_bytes <= cap
+    a = plan.args
+
+    def fits_with(**ch) -> MemoryPlan | None:
+        p = _replan(plan, **ch)
+        return p if p is not None and p.total_bytes <= cap else None
+
+    mb = _largest(1, 1 << 16, lambda b: fits_with(max_batch_size=b) is not None) or 0
+    sugg: list[Suggestion] = []
+    if not fits_mem:
+        over = plan.total_bytes - cap
+        if 0 < mb < a["max_batch_size"]:
+            p = fits_with(max_batch_size=mb)
+            sugg.append(Suggestion("max_batch_size", mb, p.total_bytes,
+                                   f"largest batch of {a['max_seq_len']}-token sequences that fits"))
+        tpb = a["tokens_per_block"]
+        sl = _largest(1, a["max_seq_len"] // tpb, lambda n: fits_with(max_seq_len=n * tpb) is not None)
+        if sl and sl * tpb < a["max_seq_len"]:
+            p = fits_with(max_seq_len=sl * tpb)
+            sugg.append(Suggestion("max_seq_len", sl * tpb, p.total_bytes,
+                                   f"longest sequence at batch {a['max_batch_size']}"))
+        if KV_BYTES[a["kv_cache"]] > 1:
+            kvd = "fp8" if gpu.has_fp8 else "int8"
+            p = _replan(plan, kv_cache=kvd)
+            if p is not None:
+                ok = p.total_bytes <= cap
+                sugg.append(Suggestion("kv_cache", kvd, p.total_bytes,
+                                       ("halves the KV cache" if ok else "halves the KV cache, not enough alone")
+                                       + ("" if gpu.has_fp8 else f" ({gpu.name} has no FP8)")))
+        mnt_used = plan.model["max_num_tokens_used"]
+        if plan.activation_bytes > 0.02 * cap:
+            n = _largest(1, mnt_used // 256, lambda k: fits_with(max_num_tokens=k * 256) is not None)
+            if n and n * 256 < mnt_used:
+                p = fits_with(max_num_tokens=n * 256)
+                sugg.append(Suggestion("max_num_tokens", n * 256, p.total_bytes,
+                                       "fewer packed tokens per step: smaller activation buffers, slower prefill"))
+        for t in (2, 4, 8):
+            if a["tp"] < t <= max_tp:
+                p = fits_with(tp=t)
+                if p is not None:
+                    sugg.append(Suggestion("tp", t, p.total_bytes, f"split over {t} x {gpu.name}"))
+                    break
+        order = ["none", "int8_sq", "int8_wo", "int4_awq"]
+        cur = a["quant_algo"]
+        cur_bits = QUANT_ALGOS[cur][0] or DTYPE_BYTES[a["dtype"]] * 8
+        for q in order:
+            qb = QUANT_ALGOS[q][0] or DTYPE_BYTES[a["dtype"]] * 8
+            if qb < cur_bits:
+                p = fits_with(quant_algo=q)
+                if p is not None:
+                    sugg.append(Suggestion("quant_algo", q, p.total_bytes, QUANT_ALGOS[q][1]))
+                    break
+        if not sugg:
+            sugg.append(Suggestion("tp", None, plan.total_bytes,
+                                   f"needs {over / GiB:.1f} GiB more than {gpu.name} has even with changes tried; "
+                                   f"use a larger GPU or more GPUs (tp/pp)"))
+    return FitVerdict(gpu=gpu.name, capacity_bytes=cap, needed_bytes=plan.total_bytes, fits=fits_mem and not probs,
+                      margin_bytes=cap - plan.total_bytes, problems=probs, suggestions=sugg,
+                      max_batch_size_that_fits=mb)
+
+
+def _gib(b: int) -> str:
+    return f"{b / GiB:,.2f} GiB"
+
+
+def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None:
+    """Rich tables: per-rank breakdown, then one verdict (with suggestions) per GPU."""
+    from rich.table import Table
+
+    a = plan.args
+    title = (f"Memory per rank — {plan.model['architecture']} quant={a['quant_algo']} kv={a['kv_cache']} "
+             f"dtype={a['dtype']} tp={a['tp']} pp={a['pp']} batch={a['max_batch_size']} "
+             f"seq={a['max_seq_len']} max_num_tokens={plan.model['max_num_tokens_used']}")
+    t = Table(title=title, show_lines=False)
+    t.add_column("part")
+    t.add_column("dtype")
+    t.add_column("bytes", justify="right")
+    t.add_column("GiB", justify="right")
+    for name, w in plan.weights.items():
+        t.add_row(f"weights: {name}", w["dtype"], f"{w['bytes']:,}", f"{w['bytes'] / GiB:.2f}")
+    t.add_row("[bold]weights total", "", f"{plan.weights_bytes:,}", f"{plan.weights_bytes / GiB:.2f}")
+    t.add_row(f"KV cache ({a['max_batch_size']} x {a['max_seq_len']} tokens, "
+              f"{plan.kv_bytes_per_token:,} B/token)", a["kv_cache"], f"{plan.kv_cache_bytes:,}",
+              f"{plan.kv_cache_bytes / GiB:.2f}")
+    t.add_row(f"KV cache paged ({plan.kv_blocks:,} blocks x {a['tokens_per_block']} tokens)", a["kv_cache"],
+              f"{plan.kv_cache_paged_bytes:,}", f"{plan.kv_cache_paged_bytes / GiB:.2f}")
+    t.add_row(f"activations (estimate, {plan.model['max_num_tokens_used']} tokens)", a["dtype"],
+              f"{plan.activation_bytes:,}", f"{plan.activation_bytes / GiB:.2f}")
+    t.add_row("logits (last position, fp32)", "fp32", f"{plan.logits_bytes:,}", f"{plan.logits_bytes / GiB:.2f}")
+    t.add_row("runtime (CUDA context, cuBLAS, NCCL)", "", f"{plan.runtime_bytes:,}",
+              f"{plan.runtime_bytes / GiB:.2f}")
+    t.add_row("[bold]total per rank", "", f"{plan.total_bytes:,}", f"[bold]{plan.total_bytes / GiB:.2f}")
+    console.print(t)
+    for n in plan.notes:
+        console.print(f"  [dim]note: {n}[/dim]")
+    for v in verdicts:
+        head = "[green]FITS[/green]" if v.fits else "[red]DOES NOT FIT[/red]"
+        console.print(f"{v.gpu}: {head} — needs {_gib(v.needed_bytes)} of {_gib(v.capacity_bytes)} "
+                      f"({'free' if v.margin_bytes >= 0 else 'short'} {_gib(abs(v.margin_bytes))}); "
+                      f"largest max_batch_size at seq {a['max_seq_len']}: {v.max_batch_size_that_fits}")
+        for p in v.problems:
+            console.print(f"  [red]problem:[/red] {p}")
+        for s in v.suggestions:
+            if s.value is None:
+                console.print(f"  [yellow]fix:[/yellow] {s.note}")
+            else:
+                console.print(f"  [yellow]fix:[/yellow] --set {s.recipe_key}={s.value} -> {_gib(s.total_bytes)} "
+                              f"({s.note})")

@@ -64,8 +64,7 @@ class TorchReference:
         with progress_bar("reference greedy", max_new_tokens) as advance:
             step_in = ids
             for _ in range(max_new_tokens):
-                res = self.model(input_ids=step_in, past_key_values=cache, use_cache=True)
-                cache = res.past_key_values
+                res = self.model(input_ids=step_in, cache=cache, use_cache=True)
                 nxt = int(res.logits[0, -1].argmax())
                 out.append(nxt)
                 advance(1)

@@ -1,0 +1,329 @@
+"""The `forge` command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import ForgeError, RecipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Build validated inference engines and Triton model repositories from recipes.")
+recipes_app = typer.Typer(no_args_is_help=True, help="List, show and resolve recipes.")
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect and maintain the artifact cache.")
+data_app = typer.Typer(no_args_is_help=True, help="Calibration and evaluation data sets.")
+app.add_typer(recipes_app, name="recipes")
+app.add_typer(cache_app, name="cache")
+app.add_typer(data_app, name="data")
+
+console = Console()
+err = Console(stderr=True)
+
+SetOpt = typer.Option(None, "--set", help="dotted override, e.g. --set quantize.calibration.samples=64 (repeatable)")
+
+
+def _resolve(name: str, overrides: list[str] | None):
+    from .recipe import resolve
+    return resolve(name, overrides or [])
+
+
+# ------------------------------------------------------------------ recipes
+@recipes_app.command("list")
+def recipes_list():
+    """Recipes shipped in recipes/."""
+    from .recipe import list_recipes, resolve
+    t = Table("name", "target", "algo", "description")
+    for n in list_recipes():
+        try:
+            r = resolve(n)
+            t.add_row(n, r.build.target, f"{r.quantize.method}/{r.quantize.algo}", r.description)
+        except RecipeError as e:
+            t.add_row(n, "[red]invalid", "", str(e).splitlines()[0])
+    console.print(t)
+
+
+@recipes_app.command("show")
+def recipes_show(name: str):
+    """The recipe file as written (before extends/overrides)."""
+    from .recipe import recipe_path
+    console.print(recipe_path(name).read_text())
+
+
+@recipes_app.command("resolve")
+def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
+    """The fully resolved recipe (extends + overrides + defaults) and its hash."""
+    import yaml
+    r = _resolve(name, set_)
+    console.print(yaml.safe_dump(r.to_dict(), sort_keys=False), end="")
+    console.print(f"# hash: {r.hash}")
+
+
+# ------------------------------------------------------------------ plan / build
+def _plan_table(runner, plans) -> Table:
+    t = Table(title=f"plan: {runner.recipe.name} [{runner.recipe.build.target}]")
+    t.add_column("stage")
+    t.add_column("status")
+    t.add_column("key")
+    t.add_column("why")
+    colors = {"hit": "green", "miss": "cyan", "cannot-run-here": "yellow", "blocked": "yellow", "corrupt": "red"}
+    for p in plans:
+        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12], p.reason)
+    return t
+
+
+@app.command()
+def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
+         force: Optional[List[str]] = typer.Option(None, "--force"),
+         as_json: bool = typer.Option(False, "--json")):
+    """Show every stage as hit / miss / cannot-run-here, and why, without running anything."""
+    from .runner import Runner
+    r = _resolve(recipe, set_)
+    runner = Runner(r)
+    problems = runner.plan_problems()
+    plans = runner.plan(set(force or []))
+    if as_json:
+        console.print_json(json.dumps({"recipe": r.name, "hash": r.hash, "problems": problems, "stages": [
+            {"name": p.name, "status": p.status, "key": p.key, "reason": p.reason, "changed": p.changed}
+            for p in plans]}))
+    else:
+        console.print(_plan_table(runner, plans))
+        _print_memory_brief(runner)
+    if problems:
+        raise RecipeError(problems)
+
+
+def _print_memory_brief(runner) -> None:
+    if runner.recipe.build.target != "tensorrt_llm":
+        return
+    try:
+        from .memory import plan_for_recipe, render_memory
+        info = runner.model_info()
+        if info is not None:
+            plan_, verdicts = plan_for_recipe(runner.recipe, info, None)
+            render_memory(plan_, verdicts, console)
+    except (ImportError, AttributeError):
+        pass
+
+
+def _link(dest: Path, target: str | None) -> None:
+    if not target:
+        return
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, dest)
+
+
+@app.command()
+def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (several for nightly runs)"),
+          set_: Optional[List[str]] = SetOpt,
+          from_: Optional[str] = typer.Option(None, "--from", help="rebuild this stage and everything after it"),
+          until: Optional[str] = typer.Option(None, "--until", help="stop after this stage"),
+          force: Optional[List[str]] = typer.Option(None, "--force", help="rebuild this stage even if cached"),
+          keep_going: bool = typer.Option(False, "--keep-going", help="build the remaining recipes after a failure"),
+          report_dir: Path = typer.Option(Path("out"), "--report-dir", help="where report.json/junit.xml go")):
+    """Build recipes: run every stage that is not cached, then validate and package."""
+    from .report import build_report, overall_status, write_reports
+    from .runner import Runner
+    statuses = {}
+    for name in recipes:
+        t0 = time.perf_counter()
+        try:
+            r = _resolve(name, set_)
+            runner = Runner(r)
+            err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {runner.cache.root})")
+            results = runner.build(from_stage=from_, until=until, force=set(force or []),
+                                   on_stage=lambda res: err.print(f"  {res.name}: {res.status}"
+                                                                  f"{' — ' + res.message if res.message else ''}"))
+        except (RecipeError, ForgeError) as e:
+            err.print(f"[red]{name}: {e}")
+            statuses[name] = "failed"
+            if not keep_going:
+                break
+            continue
+        report = build_report(r, results, time.perf_counter() - t0)
+        out = report_dir / r.name
+        write_reports(report, out, console)
+        by_name = {x.name: x for x in results}
+        if "build" in by_name:
+            _link(out / "engine", by_name["build"].payload)
+        if "package" in by_name:
+            _link(out / "triton_repo", by_name["package"].payload)
+        statuses[r.name] = overall_status(results)
+        for x in results:
+            if x.status == "cannot-run-here":
+                err.print(f"[yellow]{r.name}: stopped at '{x.name}': {x.message}")
+                break
+        if statuses[r.name] == "failed" and not keep_going:
+            break
+    if len(recipes) > 1:
+        (report_dir).mkdir(parents=True, exist_ok=True)
+        (report_dir / "summary.json").write_text(json.dumps(statuses, indent=2))
+        t = Table("recipe", "status", title="nightly summary")
+        for k, v in statuses.items():
+            t.add_row(k, v)
+        console.print(t)
+    worst = "failed" if "failed" in statuses.values() else ("incomplete" if "incomplete" in statuses.values() else "passed")
+    raise typer.Exit({"passed": 0, "failed": 1, "incomplete": 3}[worst])
+
+
+# ------------------------------------------------------------------ cache
+@cache_app.command("ls")
+def cache_ls():
+    """Entries in the artifact cache."""
+    from .cache import ArtifactCache
+    c = ArtifactCache()
+    t = Table("key", "stage", "created", "MB", title=str(c.root))
+    for e in c.entries():
+        m = e.meta
+        size = sum(p.stat().st_size for p in e.payload.rglob("*") if p.is_file()) / 2**20
+        t.add_row(e.key[:16], m["components"].get("stage", "?"), m.get("created", ""), f"{size:.1f}")
+    console.print(t)
+
+
+@cache_app.command("verify")
+def cache_verify():
+    """Re-hash every entry (no stat cache); non-zero exit if any is corrupt."""
+    from .cache import ArtifactCache
+    bad = ArtifactCache().verify_all()
+    for k, why in bad:
+        err.print(f"[red]{k}: {why}")
+    console.print(f"{len(bad)} corrupt entr{'y' if len(bad) == 1 else 'ies'}")
+    raise typer.Exit(1 if bad else 0)
+
+
+@cache_app.command("gc")
+def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", help="keep only entries of these recipes' last builds")):
+    """Remove stale temp dirs; with --keep, also entries no listed recipe's last build uses."""
+    from .cache import ArtifactCache
+    c = ArtifactCache()
+    keep = None
+    if keep_recipes:
+        keep = set()
+        for name in keep_recipes:
+            for f in (c.root / "index" / name).glob("*.json"):
+                keep.add(json.loads(f.read_text())["key"])
+    console.print(c.gc(keep))
+
+
+# ------------------------------------------------------------------ data
+@data_app.command("fetch")
+def data_fetch(sets: Optional[List[str]] = typer.Argument(None), force: bool = typer.Option(False, "--force")):
+    """Fetch and verify data sets (all by default) from their registries."""
+    from . import data as datasets
+    from .runner import forge_home
+    for s in sets or list(datasets.available_sets()):
+        paths = datasets.fetch(s, forge_home(), force=force)
+        for split, p in paths.items():
+            console.print(f"{s}/{split}: {p}")
+
+
+@data_app.command("list")
+def data_list():
+    """Data sets in calibration_data/manifest.yaml."""
+    from . import data as datasets
+    console.print_json(json.dumps(datasets.available_sets(), default=str))
+
+
+# ------------------------------------------------------------------ environment
+@app.command()
+def doctor(as_json: bool = typer.Option(False, "--json")):
+    """Versions, GPUs (NVML) and problems with their fixes."""
+    from .doctor import render_doctor, run_doctor
+    rep = run_doctor()
+    if as_json:
+        print(json.dumps(rep, indent=2, default=str))
+    else:
+        render_doctor(rep, console)
+
+
+@app.command()
+def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e.g. rtx4090, l40s, a100-80gb, h100, h200"),
+           set_: Optional[List[str]] = SetOpt):
+    """GPU memory plan per TP rank for a recipe and whether it fits."""
+    from .memory import plan_for_recipe, render_memory
+    from .runner import Runner
+    r = _resolve(recipe, set_)
+    info = Runner(r).model_info()
+    if info is None:
+        raise ForgeError(f"no model facts for {r.model.source}: set model.config to a bundled config or build the source stage")
+    plan_, verdicts = plan_for_recipe(r, info, gpu)
+    render_memory(plan_, verdicts, console)
+
+
+# ------------------------------------------------------------------ deploy
+@app.command("verify-deploy")
+def verify_deploy(repo: Path):
+    """Check a packaged repository's manifest against this environment (TensorRT/TRT-LLM versions, GPU SM)."""
+    from .triton.manifest import verify_deploy as check
+    problems = check(repo)
+    if problems:
+        for p in problems:
+            err.print(f"[red]- {p}")
+        raise typer.Exit(1)
+    console.print(f"[green]{repo}: manifest matches this environment")
+
+
+@app.command()
+def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HTTP port (gRPC = port+1, metrics = port+2)"),
+          set_: Optional[List[str]] = SetOpt):
+    """Serve a packaged model repository (or a recipe's last package) with a real tritonserver on loopback."""
+    from .triton.serve import TritonServer
+    repo = Path(recipe_or_repo)
+    if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
+        repo = _package_of(recipe_or_repo, set_)
+    with TritonServer(repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2) as srv:
+        console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    localhost:{port + 1}\n  metrics "
+                      f"http://localhost:{port + 2}/metrics\n  try: curl -s -X POST {srv.url}/v2/models/ensemble/generate "
+                      "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 16}'\nCtrl-C stops it.")
+        try:
+            while srv.alive():
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            err.print("stopping tritonserver ...")
+
+
+def _package_of(recipe: str, set_) -> Path:
+    from .runner import Runner
+    r = _resolve(recipe, set_)
+    plans = {p.name: p for p in Runner(r).plan()}
+    p = plans.get("package")
+    if p is None or p.status != "hit":
+        raise ForgeError(f"recipe {r.name} has no packaged repository in the cache: run `forge build {r.name}` first")
+    from .cache import ArtifactCache
+    return ArtifactCache().get(p.key, verify=False).payload
+
+
+def main():
+    from typer.exceptions import Abort, Exit, TyperException
+    try:
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except Exit as e:
+        sys.exit(e.exit_code)
+    except (Abort, KeyboardInterrupt):
+        err.print("[yellow]interrupted: partial work removed")
+        sys.exit(130)
+    except RecipeError as e:
+        err.print(f"[red]recipe error{'s' if len(e.problems) > 1 else ''}:[/]\n{e}")
+        sys.exit(2)
+    except ForgeError as e:
+        err.print(f"[red]error:[/] {e}")
+        sys.exit(1)
+    except TyperException as e:
+        show = getattr(e, "show", None)
+        show() if show else err.print(f"[red]{e.format_message()}")
+        sys.exit(getattr(e, "exit_code", 2))
+
+
+if __name__ == "__main__":
+    main()

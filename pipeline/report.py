@@ -1,0 +1,111 @@
+"""Build reports: report.json (machine-readable), junit.xml (nightly CI), and a short human summary."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict
+from pathlib import Path
+from xml.etree import ElementTree as ET
+
+from rich.console import Console
+from rich.table import Table
+
+from .recipe import Recipe
+from .runner import StageResult
+
+FAILING = ("failed",)
+INCOMPLETE = ("cannot-run-here",)
+
+
+def overall_status(results: list[StageResult]) -> str:
+    if any(r.status in FAILING for r in results):
+        return "failed"
+    if any(r.status in INCOMPLETE for r in results):
+        return "incomplete"
+    return "passed"
+
+
+def _clean(obj):
+    """JSON-safe: NaN/inf become strings so report.json stays strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> dict:
+    return _clean({
+        "recipe": recipe.name,
+        "recipe_hash": recipe.hash,
+        "target": recipe.build.target,
+        "status": overall_status(results),
+        "wall_s": round(wall_s, 3),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine()},
+        "stages": [asdict(r) | {"duration_s": round(r.duration_s, 3), "peak_rss_mb": round(r.peak_rss_mb, 1)}
+                   for r in results],
+    })
+
+
+def junit_xml(report: dict) -> str:
+    suite = ET.Element("testsuite", name=f"forge.{report['recipe']}")
+    tests = failures = skipped = 0
+    for st in report["stages"]:
+        tests += 1
+        case = ET.SubElement(suite, "testcase", classname=f"forge.{report['recipe']}.stage", name=st["name"],
+                             time=str(st["duration_s"]))
+        if st["status"] == "failed":
+            failures += 1
+            ET.SubElement(case, "failure", message=st["message"][:500]).text = st["message"]
+        elif st["status"] in ("cannot-run-here", "skipped"):
+            skipped += 1
+            ET.SubElement(case, "skipped", message=st["message"][:500])
+        for gate in (st.get("metrics") or {}).get("gates", []):
+            tests += 1
+            g = ET.SubElement(suite, "testcase", classname=f"forge.{report['recipe']}.{st['name']}", name=gate["name"])
+            ET.SubElement(g, "system-out").text = json.dumps(gate)
+            if not gate["passed"]:
+                failures += 1
+                ET.SubElement(g, "failure", message=f"{gate['name']}={gate['value']} needs {gate['op']} {gate['threshold']}")
+    suite.set("tests", str(tests))
+    suite.set("failures", str(failures))
+    suite.set("skipped", str(skipped))
+    return ET.tostring(suite, encoding="unicode")
+
+
+KEY_METRICS = ("ppl_delta_pct", "top1_agreement", "logits_cosine", "greedy_exact_match", "method", "size_ratio",
+               "export_s", "max_abs_err", "passed")
+
+
+def summary_table(report: dict) -> Table:
+    t = Table(title=f"{report['recipe']} [{report['target']}] — {report['status']} in {report['wall_s']:.1f}s")
+    for col in ("stage", "status", "time s", "peak RSS MB", "key", "notes"):
+        t.add_column(col)
+    colors = {"hit": "green", "built": "cyan", "failed": "red", "cannot-run-here": "yellow", "skipped": "dim"}
+    for st in report["stages"]:
+        m = st.get("metrics") or {}
+        notes = ", ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m[k]}"
+                          for k in KEY_METRICS if k in m)
+        if st["message"]:
+            notes = (notes + "; " if notes else "") + st["message"]
+        t.add_row(st["name"], f"[{colors.get(st['status'], 'white')}]{st['status']}", f"{st['duration_s']:.1f}",
+                  f"{st['peak_rss_mb']:.0f}", (st["key"] or "")[:12], notes)
+    return t
+
+
+def write_reports(report: dict, out_dir: Path, console: Console | None = None) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (out_dir / "junit.xml").write_text(junit_xml(report))
+    c = Console(record=True, width=140, file=open("/dev/null", "w"))
+    c.print(summary_table(report))
+    (out_dir / "summary.txt").write_text(c.export_text())
+    if console:
+        console.print(summary_table(report))

@@ -1,0 +1,85 @@
+"""The stage contract: what enters a stage's cache key, what it needs, and how it runs."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..modelinfo import ModelInfo
+from ..recipe import Recipe
+
+
+def tool_version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "absent"
+
+
+def has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def cpu_hardware() -> str:
+    return f"cpu:{platform.machine()}"
+
+
+@dataclass
+class StageContext:
+    recipe: Recipe
+    home: Path                         # FORGE_HOME: data, converted models
+    out: Path                          # payload dir to fill (a temp dir until committed)
+    inputs: dict[str, Path]            # upstream stage name -> committed payload dir
+    upstream_metrics: dict[str, dict]  # upstream stage name -> its metrics
+    info: ModelInfo | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Stage:
+    name: str = ""
+    version: str = "1"                  # bump when the implementation changes its output
+    needs: tuple[str, ...] = ()         # upstream stages whose payloads this reads
+    tools: tuple[str, ...] = ()         # distributions whose versions enter the key
+    description: str = ""
+
+    def config(self, r: Recipe) -> dict:
+        """The slice of the resolved recipe that determines this stage's output."""
+        return {}
+
+    def data(self, r: Recipe, home: Path) -> dict:
+        """Digests of the data sets this stage reads."""
+        return {}
+
+    def hardware(self, r: Recipe) -> str:
+        return "any"
+
+    def missing(self, r: Recipe) -> str | None:
+        """What this machine lacks to run the stage (None when it can run here)."""
+        return None
+
+    def finish_hint(self, r: Recipe) -> str:
+        return f"forge build {r.name} --from {self.name}  (on a machine that has it)"
+
+    def plan_problems(self, r: Recipe, info: ModelInfo | None) -> list[str]:
+        """Plan-time checks that need model facts; each names the recipe key."""
+        return []
+
+    def run(self, ctx: StageContext) -> dict:
+        raise NotImplementedError
+
+    def components(self, r: Recipe, home: Path, upstream: dict[str, str]) -> dict:
+        return {
+            "stage": self.name,
+            "impl_version": self.version,
+            "config": self.config(r),
+            "upstream": {k: upstream[k] for k in self.needs},
+            "data": self.data(r, home),
+            "tools": {t: tool_version(t) for t in self.tools},
+            "hardware": self.hardware(r),
+        }

@@ -1,0 +1,114 @@
+"""Stages of the onnxruntime target: export -> quantize -> build -> evaluate -> package."""
+
+from __future__ import annotations
+
+import json
+
+from .base import Stage, StageContext, cpu_hardware
+from .common import calibration_windows, model_dir, set_digests, tokenizer
+from .evaluate import EvaluateBase
+
+ORT_TOOLS = ("onnx", "onnxruntime")
+
+
+class OrtExport(Stage):
+    name = "export"
+    version = "1"
+    needs = ("source",)
+    tools = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+    description = "HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity"
+
+    def config(self, r):
+        return r.export.model_dump()
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..ort.export import export_onnx
+        e = ctx.recipe.export
+        return export_onnx(model_dir(ctx), ctx.out, opset=e.opset,
+                           parity={k: v.model_dump() for k, v in e.parity.items()})
+
+
+class OrtQuantize(Stage):
+    name = "quantize"
+    version = "1"
+    needs = ("export", "source")
+    tools = ("onnx", "onnxruntime", "torch")
+    description = "ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data"
+
+    def config(self, r):
+        q = r.quantize
+        cfg = {"method": q.method, "algo": q.algo, "alpha": q.alpha, "block_size": q.block_size, "options": q.options}
+        if q.algo != "none":
+            cfg["calibration"] = q.calibration.model_dump()
+        return cfg
+
+    def data(self, r, home):
+        q = r.quantize
+        return set_digests(r, [(q.calibration.set, q.calibration.split)]) if q.algo != "none" else {}
+
+    def hardware(self, r):
+        return cpu_hardware()
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..ort.quantize import quantize_onnx
+        q = ctx.recipe.quantize
+        calib = calibration_windows(ctx) if q.algo != "none" else None
+        opts = dict(q.options)
+        if q.alpha is not None:
+            opts.setdefault("alpha", q.alpha)
+        if q.block_size is not None:
+            opts.setdefault("block_size", q.block_size)
+        opts.setdefault("batch", q.calibration.batch)
+        return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=opts)
+
+
+class OrtBuildStage(Stage):
+    name = "build"
+    version = "1"
+    needs = ("quantize",)
+    tools = ORT_TOOLS
+    description = "ONNX Runtime graph optimisations applied and saved, session options recorded"
+
+    def config(self, r):
+        return r.build.onnxruntime.model_dump()
+
+    def hardware(self, r):
+        return cpu_hardware()   # optimised graphs may hold hardware-specific fusions
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..ort.optimize import optimize
+        b = ctx.recipe.build.onnxruntime
+        return optimize(ctx.inputs["quantize"], ctx.out, level=b.opt_level, threads=b.intra_op_threads)
+
+
+class OrtEvaluate(EvaluateBase):
+    name = "evaluate"
+    needs = ("build", "source")
+    tools = ("torch", "transformers", "onnxruntime")
+    subject = "onnxruntime engine"
+    description = "ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation"
+
+    def candidate(self, ctx):
+        from ..ort.engine import OrtEngine
+        return OrtEngine(ctx.inputs["build"], threads=ctx.recipe.build.onnxruntime.intra_op_threads)
+
+
+class OrtPackage(Stage):
+    name = "package"
+    version = "1"
+    needs = ("build", "validate", "evaluate", "source")
+    tools = ORT_TOOLS
+    description = "Triton model repository (ensemble text in / text out) + manifest.json"
+
+    def config(self, r):
+        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..triton.repo_onnxruntime import write_onnxruntime_repo
+        from .manifest import manifest_info
+        from ..triton.manifest import write_manifest
+        evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
+        res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
+                                     recipe=ctx.recipe.to_dict(), metrics=evaluation)
+        write_manifest(ctx.out, manifest_info(ctx, target="cpu", evaluation=evaluation))
+        return res or {}

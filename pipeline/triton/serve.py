@@ -310,3 +310,36 @@ class TritonServer:
         except KeyboardInterrupt:
             self.stop()
             return 0
+
+
+def serve(repo_dir: str | Path, http_port: int = 8000, grpc_port: int | None = None, metrics_port: int | None = None,
+          *, echo=print, host: str = "127.0.0.1") -> int:
+    """Blocking `forge serve`: start, print the endpoints, run until Ctrl-C / SIGTERM, stop cleanly.
+
+    ``grpc_port`` / ``metrics_port`` default to ``http_port + 1`` / ``+ 2``. Returns the exit code.
+    """
+    repo_dir = Path(repo_dir)
+    srv = TritonServer(repo_dir, http_port, grpc_port or http_port + 1, metrics_port or http_port + 2, host=host,
+                       log_path=repo_dir.parent / f"{repo_dir.name}.tritonserver.log" if os.access(repo_dir.parent, os.W_OK) else None)
+    prev = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        srv.start()
+        echo(f"tritonserver ready (models: {', '.join(srv.loaded)})")
+        if srv.skipped:
+            echo(f"not loaded (their backend is not in the nvidia-pytriton server): {', '.join(srv.skipped)}")
+        echo(f"  generate : POST {srv.url}/v2/models/ensemble/generate  {{\"text_input\": \"...\", \"max_tokens\": 32}}")
+        echo(f"  KServe   : {srv.url}/v2/models/ensemble/infer  (HTTP), {srv.grpc_url} (gRPC)")
+        echo(f"  metrics  : {srv.metrics_url}")
+        echo(f"  log      : {srv.log_path}")
+        echo("Ctrl-C stops the server")
+        rc = srv.wait()
+        if srv.proc is None:
+            return 0
+        return rc
+    except KeyboardInterrupt:
+        srv.stop()
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+        if srv.proc is not None:
+            srv.stop()

@@ -66,11 +66,11 @@ def tiny_repo(tiny_artifacts, tmp_path_factory):
     return out, summary
 
 
-def expected_tokens(prompt_ids, n):
+def expected_tokens(prompt_ids, n, eos=EOS):
     out, t = [], prompt_ids[-1]
     for _ in range(n):
         t = tiny_engine.next_token(t)
         out.append(t)
-        if t == EOS:
+        if t == eos:
             break
     return out

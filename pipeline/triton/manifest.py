@@ -1,0 +1,185 @@
+"""``manifest.json`` of a packaged repository, and ``verify-deploy`` against the current environment.
+
+The manifest records what the repository was built from and for: recipe (+hash), model /
+calibration / eval digests, tool versions, target (``cpu`` or the GPU SM), build args, validation
+metrics, and a digest of every file in the repository. ``verify_deploy`` refuses a repository whose
+files were changed after packaging, or whose engine needs another TensorRT / TensorRT-LLM version
+or another GPU architecture than this machine has (engines are not portable across either).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata as md
+import json
+import platform
+from pathlib import Path
+
+from pipeline.errors import ForgeError
+from pipeline.hashing import file_digest, sha256_json, tree_files
+
+MANIFEST = "manifest.json"
+SCHEMA = 1
+TOOLS = {"torch": "torch", "transformers": "transformers", "modelopt": "nvidia-modelopt", "onnx": "onnx",
+         "onnxruntime": "onnxruntime", "onnxruntime_gpu": "onnxruntime-gpu", "tensorrt": "tensorrt",
+         "tensorrt_llm": "tensorrt-llm", "tritonclient": "tritonclient", "nvidia_pytriton": "nvidia-pytriton",
+         "forge": "forge-engine"}
+# tools whose version an engine is bound to, per target
+ENGINE_BOUND = {"tensorrt_llm": ("tensorrt", "tensorrt_llm"), "tensorrt": ("tensorrt",), "onnxruntime": ()}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        if dist == "tensorrt":  # the real wheel may be named tensorrt-cu12 / -cu13
+            for alt in ("tensorrt-cu13", "tensorrt-cu12", "tensorrt_cu13_libs", "tensorrt-cu12-libs"):
+                try:
+                    return md.version(alt)
+                except md.PackageNotFoundError:
+                    pass
+        return None
+
+
+def gpu_info() -> list[dict]:
+    """[{index, name, sm}] via nvidia-ml-py; [] without a GPU or driver."""
+    try:
+        import pynvml
+    except ImportError:
+        return []
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    try:
+        out = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name, "sm": major * 10 + minor})
+        return out
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def current_env() -> dict:
+    """Tool versions, GPUs (SM) and platform of this machine."""
+    from pipeline import __version__
+
+    tools = {k: _version(v) for k, v in TOOLS.items()}
+    tools["forge"] = tools["forge"] or __version__
+    gpus = gpu_info()
+    return {"tools": tools, "gpus": gpus, "gpu_sms": sorted({g["sm"] for g in gpus}),
+            "python": platform.python_version(), "machine": platform.machine(), "system": platform.system()}
+
+
+def repo_file_digests(repo_dir: Path) -> dict[str, str]:
+    return {p.relative_to(repo_dir).as_posix(): file_digest(p) for p in tree_files(repo_dir) if p.name != MANIFEST}
+
+
+def write_manifest(repo_dir, info: dict) -> Path:
+    """Write ``<repo>/manifest.json``.
+
+    ``info`` keys (all optional except ``target``): ``target`` (onnxruntime | tensorrt_llm | tensorrt),
+    ``recipe`` (resolved dict), ``recipe_hash``, ``digests`` ({model, calibration, eval, engine, ...}),
+    ``build_args``, ``metrics``, ``gpu_sm`` (int, the SM the engine was built for; GPU targets),
+    ``tools`` (defaults to this environment's versions), ``repository`` (the writer's summary).
+    """
+    repo = Path(repo_dir)
+    target = info.get("target")
+    if target not in ENGINE_BOUND:
+        raise ForgeError(f"manifest target {target!r} is not one of {sorted(ENGINE_BOUND)}")
+    env = current_env()
+    gpu_sm = info.get("gpu_sm")
+    if target != "onnxruntime" and gpu_sm is None:
+        raise ForgeError(f"manifest for target {target} needs gpu_sm (build.tensorrt_llm.gpu_sm, e.g. 90): "
+                         "an engine only runs on the GPU architecture it was built for")
+    recipe = info.get("recipe")
+    manifest = {
+        "schema": SCHEMA,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "target": target,
+        "hardware": {"kind": "cpu", "machine": env["machine"]} if target == "onnxruntime" else {"kind": "gpu", "sm": int(gpu_sm)},
+        "recipe": recipe,
+        "recipe_hash": info.get("recipe_hash") or (sha256_json(recipe) if recipe is not None else None),
+        "digests": dict(info.get("digests") or {}),
+        "tools": dict(info.get("tools") or env["tools"]),
+        "build_args": info.get("build_args") or {},
+        "metrics": info.get("metrics") or {},
+        "repository": info.get("repository") or {},
+        "files": repo_file_digests(repo),
+    }
+    path = repo / MANIFEST
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def read_manifest(repo_dir) -> dict:
+    path = Path(repo_dir) / MANIFEST
+    if not path.exists():
+        raise ForgeError(f"{path} not found: package the repository with `forge package RECIPE` (it writes the manifest)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ForgeError(f"{path} is not valid JSON ({e}); re-run `forge package`") from e
+
+
+def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
+    """Problems that make this repository unfit for this environment ([] = deployable).
+
+    Checks: the manifest's file digests (a changed, missing or added file), and for GPU targets the
+    TensorRT / TensorRT-LLM versions and the GPU SM the engine was built for.
+    """
+    repo = Path(repo_dir)
+    m = read_manifest(repo)
+    env = env or current_env()
+    problems: list[str] = []
+    recorded = m.get("files") or {}
+    actual = repo_file_digests(repo)
+    for f in sorted(set(recorded) | set(actual)):
+        if f not in actual:
+            problems.append(f"{f}: listed in manifest.json but missing; re-run `forge package` to rebuild the repository")
+        elif f not in recorded:
+            problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or re-run `forge package`")
+        elif recorded[f] != actual[f]:
+            problems.append(f"{f}: content differs from manifest.json (modified after packaging); re-run `forge package`")
+    target = m.get("target")
+    if target not in ENGINE_BOUND:
+        problems.append(f"manifest.json: unknown target {target!r}; re-run `forge package`")
+        return problems
+    rname = (m.get("recipe") or {}).get("name", "RECIPE")
+    tools_now = env.get("tools", {})
+    for tool in ENGINE_BOUND[target]:
+        built, now = (m.get("tools") or {}).get(tool), tools_now.get(tool)
+        if built is None:
+            problems.append(f"manifest.json records no {tool} version for a {target} engine; rebuild with "
+                            f"`forge build {rname} --force build` where {tool} is installed")
+        elif now is None:
+            problems.append(f"{tool} is not installed here but the engine was built with {tool} {built}; "
+                            f"install {tool}=={built} or rebuild the engine here (`forge build {rname} --force build`)")
+        elif now != built:
+            problems.append(f"{tool} {now} here, but the engine was built with {tool} {built} (engines are bound to the "
+                            f"exact version); rebuild the engine with {tool} {now} (`forge build {rname} --force build`) "
+                            f"or deploy with {tool}=={built}")
+    if target == "onnxruntime":
+        # an ORT-optimised graph (level extended/all) is bound to the ORT release and CPU architecture
+        built, now = (m.get("tools") or {}).get("onnxruntime"), tools_now.get("onnxruntime")
+        if built and now and built.split(".")[:2] != now.split(".")[:2]:
+            problems.append(f"onnxruntime {now} here, but the engine was optimised with onnxruntime {built}; install "
+                            f"onnxruntime=={built} or rebuild (`forge build {rname} --force build`)")
+        arch = (m.get("hardware") or {}).get("machine")
+        if arch and env.get("machine") and arch != env["machine"]:
+            problems.append(f"the engine was built on {arch}, this machine is {env['machine']}; rebuild it here")
+    else:
+        sm = (m.get("hardware") or {}).get("sm")
+        sms = env.get("gpu_sms") or []
+        if not sms:
+            problems.append(f"no NVIDIA GPU found here; the {target} engine needs a GPU with SM {sm}")
+        elif sm not in sms:
+            problems.append(f"the engine was built for SM {sm}, this machine's GPUs are SM {sms}; rebuild it here with "
+                            f"`forge build {rname} --set build.tensorrt_llm.gpu_sm={sms[0]}`")
+    return problems

@@ -1,0 +1,154 @@
+"""A real tritonserver (from the nvidia-pytriton wheel) serving the tiny onnxruntime-target repository."""
+
+import concurrent.futures as cf
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+from conftest import WORDS, expected_tokens
+from pipeline.errors import ForgeError
+from pipeline.triton import serve as serve_mod
+from pipeline.triton.serve import TritonServer, find_tritonserver, port_in_use
+
+try:
+    find_tritonserver()
+    HAVE_SERVER = True
+except ForgeError:
+    HAVE_SERVER = False
+
+pytestmark = [pytest.mark.serve,
+              pytest.mark.skipif(not HAVE_SERVER, reason="tritonserver missing: pip install --no-deps nvidia-pytriton==0.7.0")]
+
+
+def prompt(ids):
+    return " ".join(WORDS[i] for i in ids)
+
+
+def post_json(url, body):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tiny_repo):
+    repo, _ = tiny_repo
+    srv = TritonServer(repo)
+    with srv:
+        yield srv
+    # after the context: the process and its ports are gone
+    assert srv.proc is None
+    for p in (srv.http_port, srv.grpc_port, srv.metrics_port):
+        assert not port_in_use(p), f"port {p} still bound after stop"
+
+
+def test_loads_servable_models(server):
+    assert server.loaded == ["bls", "ensemble", "onnxruntime_llm", "postprocessing", "preprocessing"]
+    assert server.skipped == ["llm_graph"]  # backend "onnxruntime" is not in the wheel's server
+
+
+def test_generate_endpoint(server):
+    ids = [1, 2, 5]
+    r = post_json(f"{server.url}/v2/models/ensemble/generate", {"text_input": prompt(ids), "max_tokens": 6})
+    want = expected_tokens(ids, 6)
+    assert r["output_ids"] == want == [38, 13, 30, 21, 22, 29]
+    assert r["text_output"] == prompt(want)
+
+
+def test_generate_stops_at_eos(server):
+    # next_token(36) == 63 == eos: generation ends there
+    r = post_json(f"{server.url}/v2/models/ensemble/generate", {"text_input": prompt([36]), "max_tokens": 10})
+    assert r["output_ids"] == 63  # the generate extension returns a 1-element array as a scalar
+    # an explicit end_id overrides the tokenizer's eos: 63 is then an ordinary token
+    r = post_json(f"{server.url}/v2/models/ensemble/generate", {"text_input": prompt([36]), "max_tokens": 3, "end_id": 5})
+    assert r["output_ids"] == expected_tokens([36], 3, eos=5) == [63, 60, 39]
+
+
+def _kserve_http(url, text, n):
+    import tritonclient.http as http
+
+    c = http.InferenceServerClient(url.removeprefix("http://"))
+    t = http.InferInput("text_input", [1, 1], "BYTES")
+    t.set_data_from_numpy(np.array([[text.encode()]], dtype=object))
+    m = http.InferInput("max_tokens", [1, 1], "INT32")
+    m.set_data_from_numpy(np.array([[n]], dtype=np.int32))
+    r = c.infer("ensemble", [t, m])
+    return r.as_numpy("output_ids")[0, 0].tolist(), r.as_numpy("text_output")[0, 0].decode()
+
+
+def test_kserve_infer_http_and_grpc(server):
+    import tritonclient.grpc as grpc
+
+    ids = [4, 9]
+    want = expected_tokens(ids, 5)
+    got_ids, got_text = _kserve_http(server.url, prompt(ids), 5)
+    assert got_ids == want and got_text == prompt(want)
+
+    c = grpc.InferenceServerClient(server.grpc_url)
+    t = grpc.InferInput("text_input", [1, 1], "BYTES")
+    t.set_data_from_numpy(np.array([[prompt(ids).encode()]], dtype=object))
+    m = grpc.InferInput("max_tokens", [1, 1], "INT32")
+    m.set_data_from_numpy(np.array([[5]], dtype=np.int32))
+    r = c.infer("ensemble", [t, m])
+    assert r.as_numpy("output_ids")[0, 0].tolist() == want
+    assert c.get_model_config("onnxruntime_llm").config.backend == "python"
+
+
+def test_eight_concurrent_requests(server):
+    prompts = [[i, (3 * i + 1) % 60] for i in range(8)]
+    lengths = [3 + i for i in range(8)]
+    with cf.ThreadPoolExecutor(8) as ex:
+        futs = [ex.submit(_kserve_http, server.url, prompt(p), n) for p, n in zip(prompts, lengths)]
+        results = [f.result(timeout=120) for f in futs]
+    for (got, text), p, n in zip(results, prompts, lengths):
+        assert got == expected_tokens(p, n)
+        assert text == prompt(got)
+
+
+def test_bls_same_answer(server):
+    ids = [7, 8]
+    r = post_json(f"{server.url}/v2/models/bls/generate", {"text_input": prompt(ids), "max_tokens": 4})
+    assert r["output_ids"] == expected_tokens(ids, 4)
+
+
+def test_bad_request_is_an_error_not_a_crash(server):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post_json(f"{server.url}/v2/models/ensemble/generate", {"text_input": prompt([1]), "max_tokens": 0})
+    assert "max_tokens must be in" in e.value.read().decode()
+    # the server still answers
+    assert post_json(f"{server.url}/v2/models/ensemble/generate", {"text_input": prompt([1]), "max_tokens": 1})["output_ids"] == 10
+
+
+def test_start_failure_shows_log(tmp_path, tiny_repo):
+    import shutil
+
+    repo, _ = tiny_repo
+    bad = tmp_path / "repo"
+    shutil.copytree(repo, bad)
+    (bad / "preprocessing" / "1" / "model.py").write_text("raise RuntimeError('boom at import')\n")
+    srv = TritonServer(bad, ready_timeout_s=60)
+    with pytest.raises(ForgeError, match="(?s)tritonserver.*boom at import"):
+        srv.start()
+    assert srv.proc is None
+    assert not port_in_use(srv.http_port)
+
+
+def test_missing_binary_message(monkeypatch):
+    monkeypatch.setattr(serve_mod, "_pytriton_root", lambda: None)
+    monkeypatch.delenv("FORGE_TRITONSERVER", raising=False)
+    with pytest.raises(ForgeError, match=r"pip install --no-deps nvidia-pytriton==0.7.0"):
+        find_tritonserver()
+
+
+def test_busy_port_refused(tiny_repo):
+    import socket
+
+    repo, _ = tiny_repo
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(ForgeError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is in use"):
+            TritonServer(repo, http_port=s.getsockname()[1]).start()

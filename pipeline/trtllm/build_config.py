@@ -1,0 +1,231 @@
+"""Plan-time validation of a TensorRT-LLM build config and the `trtllm-build` command line.
+
+`trtllm-build` (TensorRT-LLM 1.2.x) silently overrides several options (trtllm-reference.md §2.3):
+fused MLP is turned off for INT8/INT4 quantization, paged context FMHA is turned off with an INT8
+KV cache, reduce_fusion only exists for Llama-family archs with tp > 1, ... An engine built that way is
+not what the recipe says, and runtime features that depend on the overridden option (KV-cache reuse
+needs paged context FMHA) fail only at serving time. `validate_build` reports every such conflict at
+`forge plan`, each problem naming the recipe key to change, before any GPU work.
+
+Inputs are plain dicts: ``build`` is the recipe's ``build`` section (or its ``tensorrt_llm`` sub-dict),
+``quant`` the recipe's ``quantize`` section; keys follow pipeline/recipe.py (TrtllmBuild, QuantizeSection).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..modelinfo import ModelInfo
+
+KEY = "build.tensorrt_llm"
+
+# quantize.algo -> checkpoint quant_algo (TRT-LLM examples/quantization quantize_by_modelopt.py, §3).
+QUANT_ALGO = {
+    "none": None,
+    "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    "int8_wo": "W8A16",
+    "int4_wo": "W4A16",
+    "int4_awq": "W4A16_AWQ",
+    "fp8": "FP8",
+}
+KV_CACHE_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
+
+# Archs whose TRT-LLM model implements reduce_fusion (build.py: forced off otherwise).
+REDUCE_FUSION_ARCHS = {"LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM"}
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+GEMM_PLUGIN_CHOICES = {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable"}
+ATTN_PLUGIN_CHOICES = {"auto", "float16", "float32", "bfloat16", "int32", "disable"}
+
+# Options passed as `--flag value` and the CLI spelling of each boolean plugin flag.
+_INT_ARGS = ["max_batch_size", "max_input_len", "max_seq_len", "max_num_tokens", "max_beam_width",
+             "tokens_per_block", "workers"]
+_BOOL_ARGS = ["context_fmha", "use_paged_context_fmha", "remove_input_padding", "use_fused_mlp",
+              "reduce_fusion", "user_buffer", "multiple_profiles"]
+
+
+def _section(build: dict) -> dict:
+    """Accept the whole ``build`` section or its ``tensorrt_llm`` sub-dict."""
+    if "tensorrt_llm" in build and isinstance(build["tensorrt_llm"], dict):
+        return build["tensorrt_llm"]
+    return build
+
+
+def _on(v) -> bool:
+    if isinstance(v, str):
+        return v.lower() in ("enable", "true", "1", "yes", "on")
+    return bool(v)
+
+
+def quant_algo_of(quant: dict) -> str | None:
+    algo = (quant or {}).get("algo") or "none"
+    if (quant or {}).get("method") == "none":
+        algo = "none"
+    return QUANT_ALGO.get(algo, "?")
+
+
+def kv_cache_algo_of(quant: dict) -> str | None:
+    return KV_CACHE_ALGO.get(((quant or {}).get("kv_cache") or "none"), "?")
+
+
+def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None = None, *,
+                   triton: dict | None = None) -> list[str]:
+    """All problems of a TRT-LLM build config for ``info`` (empty list = OK); each names the recipe key.
+
+    ``gpu_sm``: compute capability the engine targets (e.g. 90), or None when unknown (SM rules skipped;
+    ``build.tensorrt_llm.gpu_sm`` is used when present). ``triton``: the recipe's ``package.triton``
+    section, for runtime options that need build options (KV-cache reuse).
+    """
+    b = _section(build)
+    q = quant or {}
+    p: list[str] = []
+    tp, pp = int(b.get("tp", 1)), int(b.get("pp", 1))
+    algo_key = "quantize.algo"
+    qalgo = quant_algo_of(q)
+    kvalgo = kv_cache_algo_of(q)
+    algo = q.get("algo") or "none"
+    if gpu_sm is None and b.get("gpu_sm") is not None:
+        gpu_sm = int(b["gpu_sm"])
+
+    if qalgo == "?":
+        p.append(f"{algo_key}: {algo!r} has no TensorRT-LLM checkpoint format; use one of "
+                 f"{', '.join(k for k in QUANT_ALGO)}")
+    if kvalgo == "?":
+        p.append(f"quantize.kv_cache: {q.get('kv_cache')!r} is not a TensorRT-LLM KV-cache type; use none, int8 or fp8")
+    if info.architecture not in SUPPORTED_ARCHS:
+        p.append(f"model.source: architecture {info.architecture} is not supported by forge's TensorRT-LLM target "
+                 f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))}); use build.target: onnxruntime")
+    if b.get("dtype", "float16") not in ("float16", "bfloat16"):
+        p.append(f"{KEY}.dtype: {b.get('dtype')!r}; TensorRT-LLM engines are built in float16 or bfloat16")
+
+    # ---- parallelism (§1.6, GQA) ---------------------------------------------------------------
+    n, k, layers = info.num_heads, info.num_kv_heads, info.num_layers
+    if tp < 1 or pp < 1:
+        p.append(f"{KEY}.tp / {KEY}.pp must be >= 1 (got tp={tp}, pp={pp})")
+    else:
+        if n % tp:
+            ok = [t for t in range(1, n + 1) if n % t == 0 and (k % t == 0 or t % k == 0)]
+            p.append(f"{KEY}.tp: {tp} does not divide the {n} attention heads of {info.architecture}; "
+                     f"valid tp values for this model: {', '.join(map(str, ok))}")
+        if k % tp and tp % k:
+            p.append(f"{KEY}.tp: {tp} and the model's {k} KV heads (GQA) do not divide each other; TensorRT-LLM "
+                     f"splits KV heads across ranks (tp divides {k}) or duplicates them (tp a multiple of {k})")
+        elif tp > k and qalgo == "W8A8_SQ_PER_CHANNEL":
+            p.append(f"{algo_key}: int8_sq with {KEY}.tp={tp} > {k} KV heads needs the per-channel k/v weight scales "
+                     f"duplicated with the KV heads, which ModelOpt's export does not support; use {KEY}.tp <= {k} "
+                     f"or quantize.algo int8_wo / fp8")
+        if layers % pp:
+            ok = [x for x in range(1, layers + 1) if layers % x == 0]
+            p.append(f"{KEY}.pp: {pp} does not divide the {layers} decoder layers (ModelOpt's checkpoint export "
+                     f"needs equal stages); valid pp values: {', '.join(map(str, ok[:8]))}")
+    if qalgo == "W4A16_AWQ":
+        p.append(f"{algo_key}: int4_awq (W4A16_AWQ) has no checkpoint contract / reference numerics in forge's "
+                 f"TensorRT-LLM target yet; use int8_sq, int8_wo, int4_wo or fp8")
+
+    # ---- build-time overrides (§2.3) -----------------------------------------------------------
+    fused_mlp = _on(b.get("use_fused_mlp", True))
+    if fused_mlp and qalgo not in (None, "FP8", "?"):
+        p.append(f"{KEY}.use_fused_mlp: trtllm-build turns fused MLP off for quant_algo {qalgo} "
+                 f"(quantize.algo {algo}); set {KEY}.use_fused_mlp: false so the recipe says what is built")
+    if _on(b.get("reduce_fusion", False)):
+        if tp == 1:
+            p.append(f"{KEY}.reduce_fusion: needs {KEY}.tp > 1 (trtllm-build turns it off at tp 1); set it to false")
+        if info.architecture not in REDUCE_FUSION_ARCHS:
+            p.append(f"{KEY}.reduce_fusion: not implemented for {info.architecture} (only "
+                     f"{', '.join(sorted(REDUCE_FUSION_ARCHS))}); set it to false")
+    if _on(b.get("user_buffer", False)) and not _on(b.get("reduce_fusion", False)):
+        p.append(f"{KEY}.user_buffer: needs {KEY}.reduce_fusion: true (trtllm-build turns user_buffer off without it)")
+    ctx_fmha = _on(b.get("context_fmha", True))
+    paged_ctx = _on(b.get("use_paged_context_fmha", True))
+    kv_type = b.get("kv_cache_type", "paged")
+    if paged_ctx and not ctx_fmha:
+        p.append(f"{KEY}.use_paged_context_fmha: needs {KEY}.context_fmha: true (turned off without it)")
+    if paged_ctx and kvalgo == "INT8":
+        p.append(f"{KEY}.use_paged_context_fmha: trtllm-build turns paged context FMHA off with an INT8 KV cache "
+                 f"(quantize.kv_cache: int8); set {KEY}.use_paged_context_fmha: false, or use quantize.kv_cache: fp8")
+    if paged_ctx and kv_type != "paged":
+        p.append(f"{KEY}.use_paged_context_fmha: needs {KEY}.kv_cache_type: paged (got {kv_type})")
+    if triton and _on(triton.get("enable_kv_cache_reuse", False)):
+        if not paged_ctx or kvalgo == "INT8" or kv_type != "paged":
+            why = ("an INT8 KV cache disables paged context FMHA" if kvalgo == "INT8"
+                   else f"the engine needs {KEY}.use_paged_context_fmha: true and {KEY}.kv_cache_type: paged")
+            p.append(f"package.triton.enable_kv_cache_reuse: KV-cache reuse needs paged context FMHA, but {why}; "
+                     f"set package.triton.enable_kv_cache_reuse: false or change the build")
+    if kv_type not in ("paged", "continuous", "disabled"):
+        p.append(f"{KEY}.kv_cache_type: {kv_type!r}; use paged, continuous or disabled")
+    tpb = int(b.get("tokens_per_block", 32))
+    if tpb < 1 or tpb & (tpb - 1):
+        p.append(f"{KEY}.tokens_per_block: {tpb} must be a power of 2 (e.g. 32, 64, 128)")
+    for key, choices in (("gemm_plugin", GEMM_PLUGIN_CHOICES), ("gpt_attention_plugin", ATTN_PLUGIN_CHOICES)):
+        v = b.get(key)
+        if v is not None and str(v) not in choices:
+            p.append(f"{KEY}.{key}: {v!r}; use one of {', '.join(sorted(choices))}")
+    if str(b.get("gemm_plugin", "auto")) == "fp8" and qalgo != "FP8":
+        p.append(f"{KEY}.gemm_plugin: fp8 needs quantize.algo: fp8")
+    if str(b.get("gpt_attention_plugin", "auto")) == "disable" and kv_type == "paged":
+        p.append(f"{KEY}.gpt_attention_plugin: a paged KV cache needs the GPT attention plugin; set it to auto")
+
+    # ---- lengths ---------------------------------------------------------------------------------
+    mil, msl = int(b.get("max_input_len", 1024)), int(b.get("max_seq_len", 2048))
+    mnt, mbs = int(b.get("max_num_tokens", 8192)), int(b.get("max_batch_size", 8))
+    if mil > msl:
+        p.append(f"{KEY}.max_input_len: {mil} exceeds {KEY}.max_seq_len {msl} (trtllm-build would clip it); "
+                 f"lower max_input_len or raise max_seq_len")
+    if msl > info.max_position_embeddings:
+        p.append(f"{KEY}.max_seq_len: {msl} exceeds the model's max_position_embeddings "
+                 f"{info.max_position_embeddings}; outputs past it are not trained behaviour")
+    if not _on(b.get("remove_input_padding", True)) and mnt < mil:
+        p.append(f"{KEY}.max_num_tokens: {mnt} < max_input_len {mil}; a full-length prompt could not be scheduled")
+    if _on(b.get("multiple_profiles", False)) and b.get("opt_num_tokens") is not None:
+        p.append(f"{KEY}.opt_num_tokens: cannot be combined with {KEY}.multiple_profiles: true")
+    if mbs < 1 or int(b.get("workers", 1)) < 1:
+        p.append(f"{KEY}.max_batch_size and {KEY}.workers must be >= 1")
+
+    # ---- hardware (SM) -----------------------------------------------------------------------
+    if gpu_sm is not None:
+        sm = int(gpu_sm)
+        if sm >= 100:
+            if qalgo in ("W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16", "W4A16_AWQ"):
+                p.append(f"{algo_key}: {algo} ({qalgo}) is not supported by TensorRT-LLM on SM {sm} (Blackwell); "
+                         f"use quantize.algo fp8")
+            if kvalgo == "INT8":
+                p.append(f"quantize.kv_cache: int8 is not supported by TensorRT-LLM on SM {sm}; use fp8")
+        if sm < 89 and (qalgo == "FP8" or kvalgo == "FP8"):
+            p.append(f"{algo_key}/quantize.kv_cache: FP8 needs SM >= 89 (Ada/Hopper); target GPU is SM {sm}")
+        if sm < 80 and b.get("dtype") == "bfloat16":
+            p.append(f"{KEY}.dtype: bfloat16 needs SM >= 80; target GPU is SM {sm}")
+    return p
+
+
+def _flag(v) -> str:
+    return "enable" if _on(v) else "disable"
+
+
+def trtllm_build_args(build: dict, ckpt_dir: str | Path, out_dir: str | Path,
+                      timing_cache_in: str | Path | None, timing_cache_out: str | Path | None) -> list[str]:
+    """The `trtllm-build` argv for the recipe's ``build.tensorrt_llm`` section (flags of TRT-LLM 1.2, §2.1/2.2).
+
+    tp/pp are not flags: trtllm-build reads the mapping from the checkpoint's config.json.
+    """
+    b = _section(build)
+    args = ["trtllm-build", "--checkpoint_dir", str(ckpt_dir), "--output_dir", str(out_dir)]
+    for key in _INT_ARGS:
+        if b.get(key) is not None:
+            args += [f"--{key}", str(int(b[key]))]
+    if b.get("kv_cache_type"):
+        args += ["--kv_cache_type", str(b["kv_cache_type"])]
+    for key in ("gemm_plugin", "gpt_attention_plugin"):
+        if b.get(key) is not None:
+            args += [f"--{key}", str(b[key])]
+    for key in _BOOL_ARGS:
+        if b.get(key) is not None:
+            args += [f"--{key}", _flag(b[key])]
+    if b.get("opt_num_tokens") is not None:
+        args += ["--opt_num_tokens", str(int(b["opt_num_tokens"]))]
+    if _on(b.get("gather_context_logits", False)):
+        args += ["--gather_context_logits"]
+    if timing_cache_in is not None:
+        args += ["--input_timing_cache", str(timing_cache_in)]
+    if timing_cache_out is not None:
+        args += ["--output_timing_cache", str(timing_cache_out)]
+    args += [str(a) for a in (b.get("extra_args") or [])]
+    return args

@@ -1,0 +1,197 @@
+"""TensorRT-LLM checkpoint: ModelOpt export with tp/pp, then TensorRT-LLM's own config.json fix-ups.
+
+`modelopt.torch.export.export_tensorrt_llm_checkpoint` writes ``config.json`` + ``rank{N}.safetensors``.
+Without tensorrt_llm installed it builds config.json by hand and (measured with transformers 5) omits
+``rotary_base`` (transformers 5 moved ``rope_theta`` into ``rope_parameters``), ``qwen_type`` and the
+bias switches, so TensorRT-LLM's class defaults would apply (rotary_base 10000, Qwen1 semantics). The
+fix-ups below are those TensorRT-LLM's ``examples/quantization/quantize.py`` applies after the same
+export (``quantize_by_modelopt.py``: model_type, architecture, rotary_scaling, qwen_type, norm_epsilon,
+rotary_base, intermediate_size, weight-only quant_algo, fp8 KV workaround), plus the fields the
+Llama/QWen config classes would otherwise default (trtllm-reference.md §1.2, §3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import ForgeError
+from ..modelinfo import ModelInfo
+from ..progress import progress_bar
+from .build_config import KV_CACHE_ALGO, QUANT_ALGO
+
+# HF architecture -> ModelOpt decoder_type
+DECODER_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen"}
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def decoder_type_for(info: ModelInfo) -> str:
+    try:
+        return DECODER_TYPE[info.architecture]
+    except KeyError:
+        raise ForgeError(f"model.source: architecture {info.architecture} has no TensorRT-LLM checkpoint export in "
+                         f"forge (supported: {', '.join(DECODER_TYPE)}); use build.target: onnxruntime") from None
+
+
+def _rope_scaling(hf_cfg: dict) -> dict | None:
+    """HF rope scaling in TRT-LLM's ``rotary_scaling`` form, None for plain RoPE (transformers 4 and 5 layouts)."""
+    rs = hf_cfg.get("rope_scaling")
+    if rs is None:
+        rp = hf_cfg.get("rope_parameters") or {}
+        rs = {k: v for k, v in rp.items() if k != "rope_theta"} or None
+    if not rs:
+        return None
+    rtype = rs.get("rope_type", rs.get("type"))
+    if rtype in (None, "default"):
+        return None
+    out = dict(rs)
+    out.setdefault("type", rtype)
+    return out
+
+
+def apply_config_fixups(cfg: dict, info: ModelInfo, hf_cfg: dict, quant: dict | None) -> dict:
+    """Return ``cfg`` (an exported TRT-LLM config.json) with TensorRT-LLM's quantize-script fix-ups applied."""
+    cfg = dict(cfg)
+    quant = quant or {}
+    decoder = decoder_type_for(info)
+    cfg["architecture"] = info.architecture          # quantize.py: architecture = HF architectures[0]
+    cfg["model_type"] = decoder                      # quantize.py: tensorrt_llm_config["model_type"]
+    cfg["rotary_base"] = float(info.rope_theta)      # missing in ModelOpt's manual config (transformers 5)
+    cfg["rotary_scaling"] = _rope_scaling(hf_cfg)    # HF rope_scaling -> rotary_scaling
+    cfg["norm_epsilon"] = float(info.rms_norm_eps)
+    cfg["tie_word_embeddings"] = bool(info.tie_word_embeddings)
+    cfg["mlp_bias"] = bool(hf_cfg.get("mlp_bias", False))
+    cfg.setdefault("num_key_value_heads", info.num_kv_heads)
+    cfg.setdefault("head_size", info.head_dim)
+    if decoder == "qwen":
+        cfg["qwen_type"] = info.model_type           # qwen2 (QWenConfig default would be Qwen1 behaviour)
+        cfg["intermediate_size"] = info.intermediate_size
+        cfg["attn_bias"] = info.model_type not in ("qwen3", "qwen3_moe")
+        cfg["seq_length"] = int(hf_cfg.get("seq_length", 8192))
+    else:
+        cfg["attn_bias"] = bool(hf_cfg.get("attention_bias", hf_cfg.get("bias", False)))
+    q = dict(cfg.get("quantization") or {})
+    algo = quant.get("algo") or "none"
+    if quant.get("method") == "none":
+        algo = "none"
+    # Weight-only: ModelOpt exports float weights (EMPTY_CFG); trtllm-build quantizes them (§1.7).
+    if algo in ("int8_wo", "int4_wo") and not q.get("quant_algo"):
+        q["quant_algo"] = QUANT_ALGO[algo]
+        if algo == "int4_wo":
+            q.setdefault("group_size", int(quant.get("block_size") or 128))
+        q.setdefault("exclude_modules", ["lm_head"])
+    if algo == "none":
+        q["quant_algo"] = None
+    kv = KV_CACHE_ALGO.get(quant.get("kv_cache") or "none")
+    if kv is None:                                   # quantize.py: fp8/nvfp4 without --kv_cache_dtype
+        q["kv_cache_quant_algo"] = None
+    q.setdefault("quant_algo", None)
+    q.setdefault("kv_cache_quant_algo", None)
+    cfg["quantization"] = q
+    return cfg
+
+
+def _disable_quantizers(model: torch.nn.Module) -> list:
+    """Disable every enabled ModelOpt TensorQuantizer in ``model``; returns them (to re-enable)."""
+    try:
+        from modelopt.torch.quantization.nn import TensorQuantizer
+    except ImportError:
+        return []
+    out = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    for m in out:
+        m.disable()
+    return out
+
+
+class _PeakRss:
+    """Samples this process's RSS in a thread (psutil) and keeps the peak."""
+
+    def __init__(self, interval: float = 0.05):
+        import psutil
+        self._proc = psutil.Process(os.getpid())
+        self.start_rss = self._proc.memory_info().rss
+        self.peak = self.start_rss
+        self._stop = threading.Event()
+        self._interval = interval
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._stop.wait(self._interval)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path | None, out_dir: str | Path, *,
+                     dtype: str | torch.dtype = "float16", tp: int = 1, pp: int = 1, quant: dict | None = None) -> dict:
+    """Export ``model`` (HF causal LM, optionally ModelOpt-quantized) as a TRT-LLM checkpoint into ``out_dir``.
+
+    ``quant`` is the recipe's ``quantize`` section (``algo``, ``kv_cache``, ``block_size``); ``hf_dir`` the HF
+    source dir (its config.json feeds the fix-ups; None = use ``model.config``). Returns metrics: seconds,
+    peak/start RSS (bytes), the fp16 size of the model, ranks, quant_algo, kv_cache_quant_algo.
+    """
+    from modelopt.torch.export import export_tensorrt_llm_checkpoint
+
+    quant = quant or {}
+    tdtype = DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if tdtype not in (torch.float16, torch.bfloat16):
+        raise ForgeError(f"build.tensorrt_llm.dtype: {dtype!r}; TensorRT-LLM checkpoints are float16 or bfloat16")
+    decoder = decoder_type_for(info)
+    algo = quant.get("algo") or "none"
+    if QUANT_ALGO.get(algo, "?") == "W8A8_SQ_PER_CHANNEL" and tp > info.num_kv_heads:
+        raise ForgeError(f"quantize.algo: int8_sq with build.tensorrt_llm.tp={tp} > {info.num_kv_heads} KV heads is "
+                         f"not exportable (ModelOpt cannot duplicate per-channel k/v scales); use tp <= "
+                         f"{info.num_kv_heads}")
+    if hf_dir is not None and (Path(hf_dir) / "config.json").exists():
+        hf_cfg = json.loads((Path(hf_dir) / "config.json").read_text())
+    else:
+        hf_cfg = model.config.to_dict()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in list(out.glob("rank*.safetensors")) + [out / "config.json"]:
+        if stale.exists():
+            stale.unlink()
+    model.eval()
+    # Weight-only: TensorRT-LLM loads float weights and quantizes them itself (W8A16/W4A16, §1.7); ModelOpt's
+    # int8 (out,in) + weights_scaling_factor layout is not what WeightOnlyQuantLinear loads, so export float.
+    disabled = _disable_quantizers(model) if algo in ("int8_wo", "int4_wo") else []
+    t0 = time.perf_counter()
+    try:
+        with _PeakRss() as mem, progress_bar(f"TRT-LLM checkpoint export (tp {tp}, pp {pp})", 1) as advance, \
+                torch.inference_mode():
+            export_tensorrt_llm_checkpoint(model, decoder, tdtype, out,
+                                           inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
+            advance(1)
+    finally:
+        for qz in disabled:
+            qz.enable()
+    seconds = time.perf_counter() - t0
+    cfg = json.loads((out / "config.json").read_text())
+    cfg = apply_config_fixups(cfg, info, hf_cfg, quant)
+    (out / "config.json").write_text(json.dumps(cfg, indent=4))
+    fp16_bytes = info.num_params * 2
+    return {
+        "seconds": round(seconds, 3),
+        "peak_rss_bytes": int(mem.peak),
+        "start_rss_bytes": int(mem.start_rss),
+        "export_rss_increase_bytes": int(mem.peak - mem.start_rss),
+        "model_fp16_bytes": int(fp16_bytes),
+        "export_rss_increase_vs_fp16": round((mem.peak - mem.start_rss) / fp16_bytes, 3),
+        "tp": tp, "pp": pp, "ranks": tp * pp,
+        "quant_algo": cfg["quantization"].get("quant_algo"),
+        "kv_cache_quant_algo": cfg["quantization"].get("kv_cache_quant_algo"),
+        "checkpoint_bytes": sum(f.stat().st_size for f in out.glob("rank*.safetensors")),
+    }

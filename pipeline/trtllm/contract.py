@@ -1,0 +1,311 @@
+"""Contract check of a written TensorRT-LLM checkpoint against what TensorRT-LLM 1.2 loads.
+
+Encodes trtllm-reference.md §1: config.json fields (§1.2), mapping and one ``rank{N}.safetensors`` per
+rank (§1.1, §1.3), tensor names per rank for Llama/Qwen2 with PP-local layer indices (§1.5), per-rank
+shapes from the TP split rules incl. GQA KV-head duplication and lm_head vocab padding (§1.6), and the
+quantization tensors per ``quant_algo`` (§1.7–1.10, ModelOpt layout). Shapes and dtypes are read from the
+safetensors headers (no weights loaded); only the small ``*scaling_factor`` tensors are read, to check
+they are finite and positive.
+
+TensorRT-LLM itself raises on missing tensors and only warns on extra ones; here an unexpected tensor is
+a violation too, because a misspelt name shows up as one missing plus one unexpected tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "QWenForCausalLM"}
+QWEN_ARCHS = {"Qwen2ForCausalLM", "QWenForCausalLM"}
+QWEN_TYPES = ("qwen", "qwen2", "qwen2_moe", "qwen2_llava_onevision", "qwen2_vl", "qwen2_audio", "qwen3", "qwen3_moe")
+QUANT_ALGOS = {None, "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL",
+               "W8A8_SQ_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+               "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "FP8",
+               "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", "MIXED_PRECISION"}
+# Algos whose per-tensor layout this module encodes exactly; others fail the check as unsupported.
+CHECKED_ALGOS = {None, "W8A16", "W4A16", "W8A8_SQ_PER_CHANNEL", "FP8"}
+KV_ALGOS = {None, "INT8", "FP8", "NVFP4"}
+ST_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+
+REQUIRED_FIELDS = {"architecture": str, "dtype": str, "hidden_size": int, "num_hidden_layers": int,
+                   "num_attention_heads": int, "num_key_value_heads": int, "vocab_size": int, "hidden_act": str,
+                   "norm_epsilon": (int, float), "position_embedding_type": str, "max_position_embeddings": int,
+                   "intermediate_size": int, "head_size": int, "rotary_base": (int, float), "mapping": dict,
+                   "quantization": dict}
+
+LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+ROW_LINEARS = {"attention.dense", "mlp.proj"}
+
+RULE_QKV = "§1.6 qkv: column-parallel, per rank [q_r; k_r; v_r], KV heads duplicated to tp when kv_heads < tp"
+RULE_ROW = "§1.6 row-parallel (dense/proj): split on dim 1 (input features)"
+RULE_COL = "§1.6 column-parallel (fc/gate): split on dim 0 (output features)"
+RULE_VOCAB = "§1.6 vocab padded to a multiple of tp (zero rows), then split on dim 0"
+RULE_NORM = "§1.6 layer norms are not split"
+RULE_SQ = "§1.9 W8A8_SQ_PER_CHANNEL (ModelOpt): int8 weight (out,in), fp32 weights_scaling_factor (out,), " \
+          "fp32 activation_scaling_factor (1,), prequant_scaling_factor (in,) in model dtype"
+RULE_WO = "§1.7 weight-only: float weight (trtllm-build quantizes) or int8 (in, out*bits/8) + per_channel_scale"
+RULE_FP8 = "§1.10 FP8: fp8 weight (out,in), fp32 weights/activation_scaling_factor (1,)"
+RULE_KV = "§1.10 KV-cache quantization: attention.kv_cache_scaling_factor fp32 (1,)"
+RULE_PP = "§1.3/§1.5 PP: layers tensor_split over pp ranks, local indices; embedding on the first, ln_f/lm_head on the last stage"
+
+
+def pp_layer_ranges(num_layers: int, pp: int) -> list[range]:
+    """TRT-LLM Mapping.pp_layers: torch.tensor_split(arange(L), pp) (first L % pp stages get one more)."""
+    parts = torch.tensor_split(torch.arange(num_layers), pp)
+    return [range(int(p[0]), int(p[-1]) + 1) if len(p) else range(0) for p in parts]
+
+
+def _pad(v: int, t: int) -> int:
+    return -(-v // t) * t
+
+
+def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | None, set[str], str, bool]]:
+    """Tensors ``rank`` must hold: name -> (shape or None = unchecked, allowed dtypes, rule, required)."""
+    H, N = cfg["hidden_size"], cfg["num_attention_heads"]
+    K = cfg.get("num_key_value_heads") or N
+    D = cfg.get("head_size") or H // N
+    I, V, L = cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    m = cfg.get("mapping") or {}
+    T, P = int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
+    tp_rank, pp_rank = rank % T, rank // T
+    dt = {ST_DTYPE[cfg["dtype"]]}
+    q = cfg.get("quantization") or {}
+    algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
+    arch = cfg["architecture"]
+    qwen = arch in QWEN_ARCHS
+    attn_bias = bool(cfg.get("attn_bias", qwen))  # QWenConfig default True, LLaMAConfig default False
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+
+    kv_local = max(K, T) // T
+    q_local = N // T
+    qkv_out = (q_local + 2 * kv_local) * D
+    exp: dict[str, tuple] = {}
+
+    def add(name, shape, dtypes, rule, required=True):
+        exp[name] = (tuple(shape) if shape is not None else None, set(dtypes), rule, required)
+
+    if pp_rank == 0:
+        if cfg.get("use_parallel_embedding", False):
+            if int(cfg.get("embedding_sharding_dim", 0)) == 0:
+                add("transformer.vocab_embedding.weight", (_pad(V, T) // T, H), dt, RULE_VOCAB)
+            else:
+                add("transformer.vocab_embedding.weight", (V, H // T), dt, "§1.6 embedding split on dim 1")
+        else:
+            add("transformer.vocab_embedding.weight", (V, H), dt, "§1.6 embedding replicated")
+    if pp_rank == P - 1:
+        add("transformer.ln_f.weight", (H,), dt, RULE_NORM)
+        # lm_head may be absent when it can be shared with vocab_embedding on the same rank (§1.1)
+        shared_ok = P == 1 and (cfg.get("share_embedding_table") or cfg.get("tie_word_embeddings"))
+        add("lm_head.weight", (_pad(V, T) // T, H), dt, RULE_VOCAB, required=not shared_ok)
+
+    dims = {  # name -> (out_local, in_local, rule)
+        "attention.qkv": (qkv_out, H, RULE_QKV),
+        "attention.dense": (H, q_local * D, RULE_ROW),
+        "mlp.fc": (I // T, H, RULE_COL),
+        "mlp.gate": (I // T, H, RULE_COL),
+        "mlp.proj": (H, I // T, RULE_ROW),
+    }
+    layers = pp_layer_ranges(L, P)[pp_rank]
+    for local in range(len(layers)):
+        pre = f"transformer.layers.{local}."
+        add(pre + "input_layernorm.weight", (H,), dt, RULE_NORM)
+        add(pre + "post_layernorm.weight", (H,), dt, RULE_NORM)
+        if attn_bias:
+            add(pre + "attention.qkv.bias", (qkv_out,), dt, RULE_QKV)
+            if not qwen:
+                add(pre + "attention.dense.bias", (H,), dt, "§1.5 dense bias (attn_bias), not split")
+        if mlp_bias:
+            add(pre + "mlp.fc.bias", (I // T,), dt, RULE_COL)
+            add(pre + "mlp.gate.bias", (I // T,), dt, RULE_COL)
+            add(pre + "mlp.proj.bias", (H,), dt, "§1.5 proj bias, not split")
+        for lin, (o, i, rule) in dims.items():
+            w = pre + lin + ".weight"
+            if algo is None:
+                add(w, (o, i), dt, rule)
+            elif algo == "W8A8_SQ_PER_CHANNEL":
+                add(w, (o, i), {"I8"}, f"{rule}; {RULE_SQ}")
+                add(pre + lin + ".weights_scaling_factor", (o,), {"F32"}, RULE_SQ)
+                add(pre + lin + ".activation_scaling_factor", (1,), {"F32"}, RULE_SQ)
+                add(pre + lin + ".prequant_scaling_factor", (i,), dt, f"{RULE_SQ}; row-parallel: split with the input")
+            elif algo in ("W8A16", "W4A16"):
+                add(w, None, dt | {"I8"}, f"{rule}; {RULE_WO}")  # shape depends on the form, checked below
+                add(pre + lin + ".per_channel_scale", (o,), dt, RULE_WO, required=False)
+            elif algo == "FP8":
+                add(w, (o, i), {"F8_E4M3", "I8"}, f"{rule}; {RULE_FP8}")
+                add(pre + lin + ".weights_scaling_factor", (1,), {"F32"}, RULE_FP8)
+                add(pre + lin + ".activation_scaling_factor", (1,), {"F32"}, RULE_FP8)
+        if kv in ("INT8", "FP8"):
+            add(pre + "attention.kv_cache_scaling_factor", (1,), {"F32"}, RULE_KV)
+            add(pre + "attention.k_cache_scaling_factor", (1,), {"F32"}, RULE_KV, required=False)
+            add(pre + "attention.v_cache_scaling_factor", (1,), {"F32"}, RULE_KV, required=False)
+            add(pre + "attention.kv_cache_rcp_scaling_factor", (1,), {"F32"}, RULE_KV, required=False)
+    return exp
+
+
+def _config_problems(cfg: dict) -> list[str]:
+    p = []
+    for k, typ in REQUIRED_FIELDS.items():
+        if k not in cfg or cfg[k] is None:
+            why = " (absent: TensorRT-LLM would use its default rotary_base 10000)" if k == "rotary_base" else ""
+            p.append(f"config.json: required field {k!r} missing{why} (rule §1.2)")
+        elif not isinstance(cfg[k], typ) or isinstance(cfg[k], bool):
+            p.append(f"config.json: field {k!r} has type {type(cfg[k]).__name__} (rule §1.2)")
+    if p:
+        return p
+    if cfg["architecture"] not in ARCHS:
+        p.append(f"config.json: architecture {cfg['architecture']!r} is not one forge checks "
+                 f"({', '.join(sorted(ARCHS))}) (rule §1.2 MODEL_MAP)")
+    if cfg["dtype"] not in ST_DTYPE:
+        p.append(f"config.json: dtype {cfg['dtype']!r} not in float16/bfloat16/float32 (rule §1.2)")
+    if cfg["architecture"] in QWEN_ARCHS and cfg.get("qwen_type") not in QWEN_TYPES:
+        p.append(f"config.json: qwen_type {cfg.get('qwen_type')!r} missing or invalid; TensorRT-LLM's QWen model needs "
+                 f"one of {', '.join(QWEN_TYPES)} (rule §1.2 QWenConfig / §3 fix-ups)")
+    if cfg["position_embedding_type"] != "rope_gpt_neox":
+        p.append(f"config.json: position_embedding_type {cfg['position_embedding_type']!r} != 'rope_gpt_neox' "
+                 f"for Llama/Qwen2 (rule §1.2)")
+    if not cfg["rotary_base"] > 0:
+        p.append(f"config.json: rotary_base {cfg['rotary_base']} must be > 0 (rule §1.2)")
+    rs = cfg.get("rotary_scaling")
+    if rs is not None and (not isinstance(rs, dict) or rs.get("type", rs.get("rope_type")) in (None, "default")):
+        p.append(f"config.json: rotary_scaling {rs!r} must be null or a dict with a non-default 'type' (rule §3)")
+    m = cfg["mapping"]
+    T, P = int(m.get("tp_size", 1)), int(m.get("pp_size", 1))
+    cp = int(m.get("cp_size", 1))
+    ws = int(m.get("world_size", T * P * cp))
+    if T * P * cp != ws:
+        p.append(f"config.json: mapping tp_size*pp_size*cp_size = {T * P * cp} != world_size {ws} (rule §1.3)")
+    if cp != 1:
+        p.append("config.json: mapping cp_size != 1 is not produced or checked by forge (rule §1.3)")
+    N, K = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    if N % T:
+        p.append(f"config.json: num_attention_heads {N} not divisible by tp_size {T} (rule §1.6)")
+    if K % T and T % K:
+        p.append(f"config.json: num_key_value_heads {K} and tp_size {T} do not divide each other (rule §1.6 dup_kv_weight)")
+    if N * cfg["head_size"] != cfg["hidden_size"] and cfg["architecture"] == "LlamaForCausalLM" and "head_dim" not in cfg:
+        pass  # head_size may differ from H/N; shapes below use head_size
+    if cfg["intermediate_size"] % T:
+        p.append(f"config.json: intermediate_size {cfg['intermediate_size']} not divisible by tp_size {T} (rule §1.6)")
+    if cfg["num_hidden_layers"] < P:
+        p.append(f"config.json: num_hidden_layers {cfg['num_hidden_layers']} < pp_size {P} (rule §1.3)")
+    q = cfg["quantization"]
+    if q.get("quant_algo") not in QUANT_ALGOS:
+        p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')!r} is not a TensorRT-LLM QuantAlgo (rule §1.4)")
+    elif q.get("quant_algo") not in CHECKED_ALGOS:
+        p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')} has no tensor contract in forge "
+                 f"(checked: W8A8_SQ_PER_CHANNEL, W8A16, W4A16, FP8, none) (rule §1.4)")
+    if q.get("kv_cache_quant_algo") not in KV_ALGOS:
+        p.append(f"config.json: quantization.kv_cache_quant_algo {q.get('kv_cache_quant_algo')!r} not in "
+                 f"FP8/INT8/NVFP4/null (rule §1.4 KV_CACHE_QUANT_ALGO_LIST)")
+    return p
+
+
+def check_contract(ckpt_dir: str | Path, *, hf_config: dict | None = None) -> list[str]:
+    """Violations of the TRT-LLM 1.2 checkpoint contract in ``ckpt_dir`` (empty list = OK).
+
+    ``hf_config`` (the source HF config.json as a dict), when given, is also checked against the fields the
+    fix-ups derive from it (rotary_base, norm_epsilon, vocab/head counts).
+    """
+    ckpt = Path(ckpt_dir)
+    cfg_path = ckpt / "config.json"
+    if not cfg_path.exists():
+        return [f"{cfg_path}: missing (rule §1.1: a checkpoint dir holds config.json + rank{{N}}.safetensors)"]
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{cfg_path}: not valid JSON ({e})"]
+    problems = _config_problems(cfg)
+    if problems:
+        return problems
+    if hf_config is not None:
+        problems += _hf_problems(cfg, hf_config)
+    m = cfg["mapping"]
+    ws = int(m.get("world_size", int(m.get("tp_size", 1)) * int(m.get("pp_size", 1))))
+    present = {int(f.stem[4:]) for f in ckpt.glob("rank*.safetensors") if f.stem[4:].isdigit()}
+    for r in sorted(set(range(ws)) - present):
+        problems.append(f"rank{r}.safetensors: missing; mapping.world_size is {ws} (rule §1.1: one file per rank)")
+    for r in sorted(present - set(range(ws))):
+        problems.append(f"rank{r}.safetensors: unexpected; mapping.world_size is {ws} (rule §1.1)")
+    for r in sorted(present & set(range(ws))):
+        problems += _rank_problems(ckpt / f"rank{r}.safetensors", cfg, r)
+    return problems
+
+
+def _hf_problems(cfg: dict, hf: dict) -> list[str]:
+    from ..modelinfo import ModelInfo
+    info = ModelInfo.from_hf_config(hf)
+    p = []
+    checks = [("rotary_base", float(cfg.get("rotary_base", 0)), info.rope_theta),
+              ("norm_epsilon", float(cfg.get("norm_epsilon", 0)), info.rms_norm_eps),
+              ("vocab_size", cfg["vocab_size"], info.vocab_size),
+              ("num_key_value_heads", cfg["num_key_value_heads"], info.num_kv_heads),
+              ("num_attention_heads", cfg["num_attention_heads"], info.num_heads),
+              ("intermediate_size", cfg["intermediate_size"], info.intermediate_size),
+              ("num_hidden_layers", cfg["num_hidden_layers"], info.num_layers)]
+    for k, got, want in checks:
+        if not math.isclose(float(got), float(want), rel_tol=1e-9):
+            p.append(f"config.json: {k} {got} != source model's {want} (rule §1.2/§3: the config keeps the HF values)")
+    if cfg["architecture"] != info.architecture:
+        p.append(f"config.json: architecture {cfg['architecture']} != source {info.architecture} (rule §3 fix-up)")
+    return p
+
+
+def _rank_problems(path: Path, cfg: dict, rank: int) -> list[str]:
+    p = []
+    exp = expected_tensors(cfg, rank)
+    algo = (cfg.get("quantization") or {}).get("quant_algo")
+    with safe_open(str(path), framework="pt") as f:
+        names = set(f.keys())
+        for name, (shape, dtypes, rule, required) in exp.items():
+            if name not in names:
+                if required:
+                    p.append(f"{path.name}: {name}: required tensor missing (rule {rule})")
+                continue
+            sl = f.get_slice(name)
+            got_shape, got_dt = tuple(sl.get_shape()), sl.get_dtype()
+            if got_dt not in dtypes:
+                p.append(f"{path.name}: {name}: dtype {got_dt} not in {sorted(dtypes)} (rule {rule})")
+            if shape is not None and got_shape != shape:
+                p.append(f"{path.name}: {name}: shape {list(got_shape)} != expected {list(shape)} (rule {rule})")
+            if name.endswith("scaling_factor") or name.endswith("per_channel_scale"):
+                t = f.get_tensor(name).float()
+                if not torch.isfinite(t).all() or not (t > 0).all():
+                    bad = int((~torch.isfinite(t) | (t <= 0)).sum())
+                    p.append(f"{path.name}: {name}: {bad} scale value(s) not finite and > 0 (rule {rule})")
+        if algo in ("W8A16", "W4A16"):
+            p += _weight_only_forms(f, path.name, exp, cfg, rank)
+        for name in sorted(names - set(exp)):
+            p.append(f"{path.name}: {name}: unexpected tensor for {cfg['architecture']} quant_algo={algo} "
+                     f"kv={cfg['quantization'].get('kv_cache_quant_algo')} at rank {rank} "
+                     f"(rule {RULE_PP if 'layers.' in name or 'embedding' in name or 'lm_head' in name else '§1.5'}: "
+                     f"TensorRT-LLM ignores it, so a name is likely wrong)")
+    return p
+
+
+def _weight_only_forms(f, fname: str, exp: dict, cfg: dict, rank: int) -> list[str]:
+    """W8A16/W4A16: float (out,in) weights, or int8 (in, out*bits/8) with per_channel_scale (§1.7)."""
+    p = []
+    bits = 8 if cfg["quantization"]["quant_algo"] == "W8A16" else 4
+    base = expected_tensors({**cfg, "quantization": {}}, rank)
+    names = set(f.keys())
+    for name, (shape, _dt, rule, _req) in exp.items():
+        if shape is not None or name not in names:
+            continue
+        o, i = base[name][0]
+        sl = f.get_slice(name)
+        got = tuple(sl.get_shape())
+        if sl.get_dtype() == "I8":
+            want = (i, o * bits // 8)
+            if name.replace(".weight", ".per_channel_scale") not in names:
+                p.append(f"{fname}: {name}: int8 weight without per_channel_scale (rule {RULE_WO})")
+        else:
+            want = (o, i)
+            if name.replace(".weight", ".per_channel_scale") in names:
+                p.append(f"{fname}: {name}: float weight with a per_channel_scale (rule {RULE_WO})")
+        if got != want:
+            p.append(f"{fname}: {name}: shape {list(got)} != expected {list(want)} (rule {rule})")
+    return p

@@ -78,41 +78,69 @@ def current_env() -> dict:
 
 
 def repo_file_digests(repo_dir: Path) -> dict[str, str]:
-    return {p.relative_to(repo_dir).as_posix(): file_digest(p) for p in tree_files(repo_dir) if p.name != MANIFEST}
+    out = {}
+    for p in tree_files(repo_dir):
+        rel = p.relative_to(repo_dir)
+        if rel.as_posix() == MANIFEST or "__pycache__" in rel.parts or p.suffix == ".pyc":
+            continue  # bytecode a python backend may write next to model.py is not content
+        out[rel.as_posix()] = file_digest(p)
+    return out
+
+
+_TOOL_ALIASES = {"nvidia-modelopt": "modelopt", "nvidia_modelopt": "modelopt", "tensorrt-llm": "tensorrt_llm",
+                 "onnxruntime-gpu": "onnxruntime_gpu", "nvidia-pytriton": "nvidia_pytriton", "forge-engine": "forge"}
+
+
+def _engine_kind(repo: Path) -> str:
+    if (repo / "tensorrt_llm" / "config.pbtxt").exists():
+        return "tensorrt_llm"
+    if (repo / "onnxruntime_llm" / "config.pbtxt").exists():
+        return "onnxruntime"
+    return "tensorrt"
+
+
+def _sm_from(target, gpu_sm) -> int | None:
+    if gpu_sm is not None:
+        return int(gpu_sm)
+    if isinstance(target, str) and target.lower().startswith("sm") and target[2:].isdigit():
+        return int(target[2:])
+    return None
 
 
 def write_manifest(repo_dir, info: dict) -> Path:
-    """Write ``<repo>/manifest.json``.
+    """Write ``<repo>/manifest.json``: every key of ``info`` plus what verify-deploy needs.
 
-    ``info`` keys (all optional except ``target``): ``target`` (onnxruntime | tensorrt_llm | tensorrt),
-    ``recipe`` (resolved dict), ``recipe_hash``, ``digests`` ({model, calibration, eval, engine, ...}),
-    ``build_args``, ``metrics``, ``gpu_sm`` (int, the SM the engine was built for; GPU targets),
-    ``tools`` (defaults to this environment's versions), ``repository`` (the writer's summary).
+    ``info`` (the package stage's, see pipeline/stages/manifest.py): ``target`` ("cpu", "sm90", or a
+    target name), ``recipe`` (resolved dict, or {name, hash, resolved}), ``model`` / ``calibration`` /
+    ``evaluation_data`` digests, ``tools`` (dist name -> version; defaults to this environment),
+    ``build`` args, ``metrics``; optional ``gpu_sm`` (int) and ``engine`` (onnxruntime | tensorrt_llm |
+    tensorrt; read from the repository's models when absent). Added: ``engine``, ``hardware``
+    (cpu + machine, or gpu + SM), normalised ``tools``, ``recipe_hash``, ``files`` (sha256 of every file).
     """
     repo = Path(repo_dir)
-    target = info.get("target")
-    if target not in ENGINE_BOUND:
-        raise ForgeError(f"manifest target {target!r} is not one of {sorted(ENGINE_BOUND)}")
+    info = dict(info)
+    engine = info.pop("engine", None) or _engine_kind(repo)
+    if engine not in ENGINE_BOUND:
+        raise ForgeError(f"manifest engine {engine!r} is not one of {sorted(ENGINE_BOUND)}")
     env = current_env()
-    gpu_sm = info.get("gpu_sm")
-    if target != "onnxruntime" and gpu_sm is None:
-        raise ForgeError(f"manifest for target {target} needs gpu_sm (build.tensorrt_llm.gpu_sm, e.g. 90): "
-                         "an engine only runs on the GPU architecture it was built for")
+    if engine == "onnxruntime":
+        hardware = {"kind": "cpu", "machine": env["machine"]}
+    else:
+        sm = _sm_from(info.get("target"), info.get("gpu_sm"))
+        if sm is None:
+            raise ForgeError(f"manifest for a {engine} engine needs the GPU SM it was built for: set "
+                             "build.tensorrt_llm.gpu_sm (e.g. 90) or build on the GPU; an engine only runs on that architecture")
+        hardware = {"kind": "gpu", "sm": sm}
+    tools = info.get("tools") or env["tools"]
+    tools = {_TOOL_ALIASES.get(k, k): (None if v == "absent" else v) for k, v in tools.items()}
+    for k in ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm"):
+        tools.setdefault(k, None)  # recorded as absent (null), not omitted
     recipe = info.get("recipe")
-    manifest = {
-        "schema": SCHEMA,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "target": target,
-        "hardware": {"kind": "cpu", "machine": env["machine"]} if target == "onnxruntime" else {"kind": "gpu", "sm": int(gpu_sm)},
-        "recipe": recipe,
-        "recipe_hash": info.get("recipe_hash") or (sha256_json(recipe) if recipe is not None else None),
-        "digests": dict(info.get("digests") or {}),
-        "tools": dict(info.get("tools") or env["tools"]),
-        "build_args": info.get("build_args") or {},
-        "metrics": info.get("metrics") or {},
-        "repository": info.get("repository") or {},
-        "files": repo_file_digests(repo),
-    }
+    rhash = info.get("recipe_hash") or (recipe.get("hash") if isinstance(recipe, dict) else None) \
+        or (sha256_json(recipe) if recipe is not None else None)
+    manifest = {**info, "schema": SCHEMA, "engine": engine, "hardware": hardware, "tools": tools, "recipe_hash": rhash,
+                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                "files": repo_file_digests(repo)}
     path = repo / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
     return path
@@ -147,9 +175,9 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
             problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or re-run `forge package`")
         elif recorded[f] != actual[f]:
             problems.append(f"{f}: content differs from manifest.json (modified after packaging); re-run `forge package`")
-    target = m.get("target")
+    target = m.get("engine")
     if target not in ENGINE_BOUND:
-        problems.append(f"manifest.json: unknown target {target!r}; re-run `forge package`")
+        problems.append(f"manifest.json: unknown engine {target!r}; re-run `forge package`")
         return problems
     rname = (m.get("recipe") or {}).get("name", "RECIPE")
     tools_now = env.get("tools", {})

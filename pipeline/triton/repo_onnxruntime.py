@@ -32,10 +32,21 @@ _ONNX_TO_TRITON = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UIN
 
 
 def check_engine_module(path: Path) -> None:
-    """The engine module runs inside tritonserver's python stub: stdlib + numpy/onnxruntime/tokenizers only."""
+    """The engine module runs inside tritonserver's python stub: stdlib + numpy/onnxruntime/tokenizers only
+    (an import inside ``try: ... except (ImportError|Exception)`` is optional and allowed)."""
     tree = ast.parse(Path(path).read_text(), filename=str(path))
+    guarded: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Try) and any(
+                h.type is None or (isinstance(h.type, ast.Name) and h.type.id in ("ImportError", "ModuleNotFoundError", "Exception"))
+                or (isinstance(h.type, ast.Tuple) and any(isinstance(e, ast.Name) and e.id in ("ImportError", "ModuleNotFoundError", "Exception") for e in h.type.elts))
+                for h in node.handlers):
+            for stmt in node.body:
+                guarded.update(id(n) for n in ast.walk(stmt))
     bad = set()
     for node in ast.walk(tree):
+        if id(node) in guarded:
+            continue
         if isinstance(node, ast.Import):
             names = [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -48,10 +59,18 @@ def check_engine_module(path: Path) -> None:
         bad.update(n for n in names if n not in STUB_IMPORTS and n not in sys.stdlib_module_names and n != "__future__")
     if bad:
         raise ForgeError(f"{path} imports {sorted(bad)}; the Triton python model copies this file alone into the "
-                         f"repository, so it may import only the standard library and {sorted(STUB_IMPORTS)}")
+                         f"repository, so it may import only the standard library and {sorted(STUB_IMPORTS)} "
+                         "(optional imports inside try/except ImportError are fine)")
 
 
 def graph_file(engine_dir: Path) -> Path:
+    meta = engine_dir / "forge_ort.json"  # written by pipeline.ort: names the graph file
+    if meta.exists():
+        import json
+
+        name = json.loads(meta.read_text()).get("model_file")
+        if name and (engine_dir / name).exists():
+            return engine_dir / name
     if (engine_dir / "model.onnx").exists():
         return engine_dir / "model.onnx"
     onnx_files = sorted(engine_dir.glob("*.onnx"))
@@ -99,9 +118,11 @@ def triton_options(recipe: dict) -> dict:
 
 def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, metrics: dict,
                            engine_module: str | Path | None = None, include_bls: bool = True,
-                           max_new_tokens: int = 4096) -> dict:
+                           max_new_tokens: int = 4096, add_special_tokens: bool = False) -> dict:
     """Write the repository; returns a summary (models, engine graph file, options) for the manifest.
 
+    ``add_special_tokens`` must match how the validate stage tokenised its prompts (forge: False), so
+    the served model sees the token ids that were validated.
     ``recipe`` is the resolved recipe dict (``package.triton.*``, ``build.onnxruntime.intra_op_threads``
     are read); ``metrics`` (the validate stage's) are returned in the summary for ``write_manifest``.
     """
@@ -121,7 +142,7 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
     onnx_path = graph_file(engine_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    templates.write_common(out, Path(tokenizer_dir), mbs, inst)
+    templates.write_common(out, Path(tokenizer_dir), mbs, inst, add_special_tokens=add_special_tokens)
     write_config(out / "ensemble", templates.ensemble(mbs, ENGINE_MODEL))
     (out / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
 

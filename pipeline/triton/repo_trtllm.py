@@ -146,7 +146,8 @@ def tensorrt_llm_config(t: dict, e: dict, engine_dir: str) -> dict:
     }
 
 
-def write_trtllm_repo(out_dir, *, engine_dir, tokenizer_dir, engine_config: dict, triton: dict) -> dict:
+def write_trtllm_repo(out_dir, *, engine_dir, tokenizer_dir, engine_config: dict, triton: dict,
+                      add_special_tokens: bool = False) -> dict:
     """Write the repository. ``engine_config`` is the engine's config.json (dict), ``triton`` the
     resolved ``package.triton`` section. Raises RecipeError listing every contradiction."""
     out = Path(out_dir)
@@ -163,7 +164,7 @@ def write_trtllm_repo(out_dir, *, engine_dir, tokenizer_dir, engine_config: dict
     mbs, inst = int(t.get("max_batch_size", 8)), int(t.get("instance_count", 1))
     decoupled = bool(t.get("decoupled", False))
     out.mkdir(parents=True, exist_ok=True)
-    templates.write_common(out, Path(tokenizer_dir), mbs, inst)
+    templates.write_common(out, Path(tokenizer_dir), mbs, inst, add_special_tokens=add_special_tokens)
     write_config(out / "ensemble", templates.ensemble(mbs, ENGINE_MODEL, streaming=decoupled))
     (out / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
     eng_dst = out / ENGINE_MODEL / "1" / "engine"

@@ -107,7 +107,7 @@ def stub_environment() -> Path:
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     home = Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
     main_site = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
-    key = sha256_json({"base": sys.base_prefix, "ver": sys.version, "site": main_site, "numpy": STUB_NUMPY})[:16]
+    key = sha256_json({"base": sys.base_prefix, "ver": sys.version, "site": main_site, "numpy": STUB_NUMPY, "layout": 2})[:16]
     env_dir = home / "triton-stub-env" / f"py{ver}-{key}"
     if (env_dir / ".complete").exists():
         return env_dir
@@ -128,6 +128,10 @@ def stub_environment() -> Path:
                              f"{r.stderr.strip()[-500:]}; on an offline machine run `pip download {STUB_NUMPY}` where "
                              "there is network and install it with PIP_FIND_LINKS pointing at that folder")
         (site / "forge-main-env.pth").write_text("".join(p + "\n" for p in main_site))
+        # model.py files are imported from the repository; keep their bytecode out of it (a packaged
+        # repository is a content-addressed artifact with a manifest of its files)
+        (site / "sitecustomize.py").write_text(
+            "import sys\nsys.pycache_prefix = " + repr(str(home / "triton-pycache")) + "\n")
         (tmp / ".complete").write_text(STUB_NUMPY + "\n")
         try:
             os.rename(tmp, env_dir)
@@ -301,6 +305,9 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def wait(self) -> int:
         """Block until the server exits (for `forge serve`); Ctrl-C stops it cleanly."""

@@ -46,7 +46,7 @@ def _scalar(name, dtype, optional=False):
     return tensor(name, dtype, [1], optional=optional)
 
 
-def preprocessing(max_batch_size: int, instance_count: int, add_special_tokens: bool = True) -> dict:
+def preprocessing(max_batch_size: int, instance_count: int, add_special_tokens: bool = False) -> dict:
     return {
         "name": "preprocessing", "backend": "python", "max_batch_size": max_batch_size,
         "input": [tensor("QUERY", "TYPE_STRING", [1]), tensor("REQUEST_OUTPUT_LEN", "TYPE_INT32", [1]),
@@ -130,10 +130,11 @@ def copy_tokenizer(tokenizer_dir: Path, dst: Path) -> list[str]:
     return copied
 
 
-def write_common(out: Path, tokenizer_dir: Path, max_batch_size: int, instance_count: int) -> None:
+def write_common(out: Path, tokenizer_dir: Path, max_batch_size: int, instance_count: int, *,
+                 add_special_tokens: bool = False) -> None:
     from pipeline.triton.pbtxt import write_config
 
-    for name, cfg in (("preprocessing", preprocessing(max_batch_size, instance_count)),
+    for name, cfg in (("preprocessing", preprocessing(max_batch_size, instance_count, add_special_tokens)),
                       ("postprocessing", postprocessing(max_batch_size, instance_count))):
         write_config(out / name, cfg)
         copy_python_model(name, out / name)

@@ -18,14 +18,14 @@ def packaged(tiny_repo, tmp_path):
     repo, summary = tiny_repo
     r = tmp_path / "repo"
     shutil.copytree(repo, r)
-    write_manifest(r, {"target": "onnxruntime", "recipe": {"name": "tiny"}, "digests": {"model": "ab" * 32},
+    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "digests": {"model": "ab" * 32},
                        "metrics": {"greedy_match": 1.0}, "repository": summary, "build_args": {"opt_level": "extended"}})
     return r
 
 
 def test_manifest_contents(packaged):
     m = read_manifest(packaged)
-    assert m["target"] == "onnxruntime" and m["hardware"]["kind"] == "cpu"
+    assert m["engine"] == "onnxruntime" and m["hardware"]["kind"] == "cpu"
     assert len(m["recipe_hash"]) == 64 and m["digests"]["model"] == "ab" * 32
     assert m["tools"]["onnxruntime"] == current_env()["tools"]["onnxruntime"]
     assert set(m["tools"]) >= {"torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm"}
@@ -60,8 +60,13 @@ def test_onnxruntime_version_mismatch_refused(packaged):
 
 
 def test_trtllm_version_and_sm_mismatch_refused(packaged):
-    write_manifest(packaged, {"target": "tensorrt_llm", "recipe": {"name": "qwen7b-int8"}, "gpu_sm": 90,
-                              "tools": {"tensorrt": "10.13.0", "tensorrt_llm": "1.2.0"}})
+    # the package stage's shape (pipeline/stages/manifest.py): target "sm90", dist names for tools
+    write_manifest(packaged, {"engine": "tensorrt_llm", "target": "sm90",
+                              "recipe": {"name": "qwen7b-int8", "hash": "c" * 64, "resolved": {}},
+                              "tools": {"tensorrt": "10.13.0", "tensorrt-llm": "1.2.0", "nvidia-modelopt": "0.47.0"}})
+    m = read_manifest(packaged)
+    assert m["hardware"] == {"kind": "gpu", "sm": 90} and m["recipe_hash"] == "c" * 64
+    assert {k: v for k, v in m["tools"].items() if v} == {"tensorrt": "10.13.0", "tensorrt_llm": "1.2.0", "modelopt": "0.47.0"}
     ok = _env(tensorrt="10.13.0", tensorrt_llm="1.2.0")
     ok["gpu_sms"] = [90]
     assert verify_deploy(packaged, ok) == []
@@ -79,7 +84,7 @@ def test_trtllm_version_and_sm_mismatch_refused(packaged):
 
 def test_gpu_target_needs_sm(packaged):
     with pytest.raises(ForgeError, match="gpu_sm"):
-        write_manifest(packaged, {"target": "tensorrt_llm"})
+        write_manifest(packaged, {"engine": "tensorrt_llm", "target": "sm-unspecified"})
 
 
 def test_missing_manifest(tmp_path):

@@ -33,12 +33,21 @@ def post_json(url, body):
         return json.loads(r.read())
 
 
+def _listing(repo):
+    return sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*"))
+
+
 @pytest.fixture(scope="module")
 def server(tiny_repo):
     repo, _ = tiny_repo
+    before = _listing(repo)
     srv = TritonServer(repo)
     with srv:
+        assert srv.alive()
         yield srv
+    assert not srv.alive()
+    # serving writes nothing into the (content-addressed) repository: no __pycache__ next to model.py
+    assert _listing(repo) == before
     # after the context: the process and its ports are gone
     assert srv.proc is None
     for p in (srv.http_port, srv.grpc_port, srv.metrics_port):

@@ -208,6 +208,8 @@ def test_token_windows_too_short_says_the_maximum():
     msg = str(e.value)
     assert "samples=30" in msg and "seq_len=50" in msg and "at most 20" in msg and "<= 33" in msg
     assert data.token_windows(CharTokenizer(), TEXT, samples=20, seq_len=50, seed=3).shape == (20, 50)
+    with pytest.raises(ForgeError, match=r"quantize\.calibration\.samples=30.*quantize\.calibration\.seq_len"):
+        data.token_windows(CharTokenizer(), TEXT, samples=30, seq_len=50, seed=0, key_prefix="quantize.calibration")
 
 
 def test_token_windows_real_tokenizer_has_no_bos():
@@ -221,5 +223,8 @@ def test_token_windows_real_tokenizer_has_no_bos():
     w = data.token_windows(tok, text, samples=4, seq_len=32, seed=0)
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert w.shape == (4, 32) and w[0].tolist() in [ids[k:k + 32] for k in range(0, len(ids) - 31, 32)]
+    assert (data.token_windows(tok, text, samples=4, seq_len=32, seed=0) == w).all()   # memoised ids, same result
+    other = "Emma Woodhouse, handsome, clever, and rich. " * 30          # the memo is keyed by the text
+    assert data._token_ids(tok, other).tolist() == tok(other, add_special_tokens=False)["input_ids"]
     if tok.bos_token_id is not None:
         assert ids[0] != tok.bos_token_id

@@ -1,0 +1,139 @@
+"""Engine-agnostic timing: prefill / decode tokens per second, time to first token, medians.
+
+An *adapter* is any object with
+
+* ``name``: label shown in tables, ``what``: what actually ran (e.g. "ONNX Runtime 1.32 CPU, INT8 QDQ graph")
+* ``prefill(ids)``: run the model over ``ids`` (np.int64 [B, T]) once
+* ``generate(ids, n)``: greedy-generate ``n`` new tokens after ``ids`` ([1, T]); returns the new ids
+* ``generate_batch(ids, n)`` (optional, may be None): same for [B, T]
+* ``supports_batch_prefill`` (bool)
+
+Decode speed is measured as (n - 1) new tokens over the time of generate(n) minus generate(1), per
+repetition, so the prompt's prefill and the first token do not count; the median over repetitions is
+reported. Time to first token is the median time of generate(prompt, 1).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def median(xs: list[float]) -> float:
+    if not xs:
+        raise ValueError("median of no samples")
+    return float(statistics.median(xs))
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1, clock=None) -> list[float]:
+    """Run fn warmup + reps times; return the reps wall times in seconds."""
+    clock = clock or time.perf_counter
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = clock()
+        fn()
+        out.append(clock() - t0)
+    return out
+
+
+def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0, base: list[int] | None = None) -> np.ndarray:
+    """[batch, length] int64 prompt ids: rows of ``base`` (real text ids) cycled with a per-row offset, or
+    seeded random ids when there is no tokenizer. Same input for every engine and peer."""
+    if base:
+        out = np.empty((batch, length), dtype=np.int64)
+        for b in range(batch):
+            start = (b * 37) % len(base)
+            row = (base[start:] + base[:start]) * (length // len(base) + 1)
+            out[b] = row[:length]
+        return out
+    rng = np.random.default_rng(seed)
+    return rng.integers(100, vocab_size - 100, size=(batch, length), dtype=np.int64)
+
+
+def measure_prefill(adapter, ids: np.ndarray, reps: int, warmup: int = 1) -> dict:
+    times = timed(lambda: adapter.prefill(ids), reps, warmup)
+    tokens = int(ids.shape[0] * ids.shape[1])
+    return {"batch": int(ids.shape[0]), "tokens": tokens, "times_s": times, "median_s": median(times),
+            "tokens_per_s": tokens / median(times)}
+
+
+def measure_decode(adapter, ids: np.ndarray, new_tokens: int, reps: int, warmup: int = 1,
+                   clock=None) -> dict:
+    """Decode rate of ``generate`` (batch 1) or ``generate_batch`` (batch > 1) on ``ids``."""
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be >= 2 to separate decode from the first token")
+    clock = clock or time.perf_counter
+    b = int(ids.shape[0])
+    gen = adapter.generate if b == 1 else adapter.generate_batch
+    if gen is None:
+        raise NotImplementedError(f"{adapter.name} has no batched generate")
+    for _ in range(warmup):
+        gen(ids, new_tokens)
+    rates, t1s, tns = [], [], []
+    for _ in range(reps):
+        t0 = clock()
+        gen(ids, 1)
+        t1 = clock() - t0
+        t0 = clock()
+        out = gen(ids, new_tokens)
+        tn = clock() - t0
+        got = _count_new(out, b, new_tokens)
+        t1s.append(t1)
+        tns.append(tn)
+        rates.append(b * (got - 1) / max(tn - t1, 1e-9))
+    return {"batch": b, "new_tokens": new_tokens, "prompt_tokens": int(ids.shape[1]), "t_first_s": t1s,
+            "t_all_s": tns, "tokens_per_s_samples": rates, "tokens_per_s": median(rates),
+            "ttft_s": median(t1s)}
+
+
+def _count_new(out, batch: int, asked: int) -> int:
+    """How many new tokens per sequence the engine returned (it may stop early at EOS)."""
+    if out is None:
+        return asked
+    arr = np.asarray(out, dtype=object if isinstance(out, list) and out and isinstance(out[0], list) else None)
+    if arr.ndim == 2:
+        return int(arr.shape[1])
+    if batch == 1:
+        return int(len(out))
+    return asked
+
+
+def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, reps: int, prefill_len: int = 256,
+                    prefill_batches=(1, 4), decode_prompt: int = 32, decode_new: int = 64,
+                    decode_batches=(1, 8), warmup: int = 1, progress: Callable[[str], None] | None = None) -> dict:
+    """All speed figures of one engine/peer; unsupported cases are recorded with the reason."""
+    res: dict = {"name": adapter.name, "what": adapter.what, "prefill": {}, "decode": {}, "skipped": {}}
+    for b in prefill_batches:
+        if b > 1 and not getattr(adapter, "supports_batch_prefill", True):
+            res["skipped"][f"prefill_b{b}"] = f"{adapter.name}: no batched prefill in this API"
+            continue
+        if progress:
+            progress(f"{adapter.name} prefill {b}x{prefill_len}")
+        res["prefill"][str(b)] = measure_prefill(adapter, prompt_ids(vocab_size, b, prefill_len, base=base_ids),
+                                                 reps, warmup)
+    p1 = prompt_ids(vocab_size, 1, prefill_len, base=base_ids)
+    if progress:
+        progress(f"{adapter.name} time to first token")
+    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup)
+    res["ttft"] = {"prompt_tokens": prefill_len, "times_s": ttft, "median_s": median(ttft)}
+    for b in decode_batches:
+        if b > 1 and getattr(adapter, "generate_batch", None) is None:
+            res["skipped"][f"decode_b{b}"] = f"{adapter.name}: no batched generate"
+            continue
+        if progress:
+            progress(f"{adapter.name} decode batch {b}")
+        res["decode"][str(b)] = measure_decode(adapter, prompt_ids(vocab_size, b, decode_prompt, base=base_ids),
+                                               decode_new, reps, warmup)
+    return res

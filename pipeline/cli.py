@@ -11,6 +11,7 @@ from typing import List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import ForgeError, RecipeError
@@ -75,7 +76,7 @@ def _plan_table(runner, plans) -> Table:
     t.add_column("why")
     colors = {"hit": "green", "miss": "cyan", "cannot-run-here": "yellow", "blocked": "yellow", "corrupt": "red"}
     for p in plans:
-        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12], p.reason)
+        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12], escape(p.reason))
     return t
 
 
@@ -95,7 +96,8 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
             for p in plans]}))
     else:
         console.print(_plan_table(runner, plans))
-        _print_memory_brief(runner)
+        if not problems:
+            _print_memory_brief(runner)
     if problems:
         raise RecipeError(problems)
 
@@ -109,8 +111,8 @@ def _print_memory_brief(runner) -> None:
         if info is not None:
             plan_, verdicts = plan_for_recipe(runner.recipe, info, None)
             render_memory(plan_, verdicts, console)
-    except (ImportError, AttributeError):
-        pass
+    except ForgeError as e:
+        err.print(f"memory plan not shown: {escape(str(e))}")
 
 
 def _link(dest: Path, target: str | None) -> None:
@@ -143,9 +145,9 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {runner.cache.root})")
             results = runner.build(from_stage=from_, until=until, force=set(force or []),
                                    on_stage=lambda res: err.print(f"  {res.name}: {res.status}"
-                                                                  f"{' — ' + res.message if res.message else ''}"))
+                                                                  f"{' — ' + escape(res.message) if res.message else ''}"))
         except (RecipeError, ForgeError) as e:
-            err.print(f"[red]{name}: {e}")
+            err.print(f"[red]{name}:[/] {escape(str(e))}")
             statuses[name] = "failed"
             if not keep_going:
                 break
@@ -161,7 +163,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
         statuses[r.name] = overall_status(results)
         for x in results:
             if x.status == "cannot-run-here":
-                err.print(f"[yellow]{r.name}: stopped at '{x.name}': {x.message}")
+                err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
                 break
         if statuses[r.name] == "failed" and not keep_going:
             break
@@ -268,7 +270,7 @@ def verify_deploy(repo: Path):
     problems = check(repo)
     if problems:
         for p in problems:
-            err.print(f"[red]- {p}")
+            err.print(f"[red]-[/] {escape(p)}")
         raise typer.Exit(1)
     console.print(f"[green]{repo}: manifest matches this environment")
 
@@ -314,10 +316,10 @@ def main():
         err.print("[yellow]interrupted: partial work removed")
         sys.exit(130)
     except RecipeError as e:
-        err.print(f"[red]recipe error{'s' if len(e.problems) > 1 else ''}:[/]\n{e}")
+        err.print(f"[red]recipe error{'s' if len(e.problems) > 1 else ''}:[/]\n{escape(str(e))}")
         sys.exit(2)
     except ForgeError as e:
-        err.print(f"[red]error:[/] {e}")
+        err.print(f"[red]error:[/] {escape(str(e))}")
         sys.exit(1)
     except TyperException as e:
         show = getattr(e, "show", None)

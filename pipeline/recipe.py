@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from .errors import RecipeError
 from .hashing import sha256_json
@@ -191,6 +191,11 @@ class Recipe(Section):
     package: PackageSection = Field(default_factory=PackageSection)
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    _path: str = PrivateAttr("")      # the file it came from, for error messages
+
+    @property
+    def path(self) -> str:
+        return self._path or self.name
 
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
@@ -341,6 +346,7 @@ def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: 
     problems = semantic_problems(recipe, str(path))
     if problems:
         raise RecipeError(problems)
+    recipe._path = str(path)
     return recipe
 
 

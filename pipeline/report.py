@@ -11,6 +11,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .recipe import Recipe
@@ -96,7 +97,7 @@ def summary_table(report: dict) -> Table:
         if st["message"]:
             notes = (notes + "; " if notes else "") + st["message"]
         t.add_row(st["name"], f"[{colors.get(st['status'], 'white')}]{st['status']}", f"{st['duration_s']:.1f}",
-                  f"{st['peak_rss_mb']:.0f}", (st["key"] or "")[:12], notes)
+                  f"{st['peak_rss_mb']:.0f}", (st["key"] or "")[:12], escape(notes))
     return t
 
 

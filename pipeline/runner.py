@@ -125,7 +125,7 @@ class Runner:
         info = self.model_info()
         problems = []
         for s in self.stages:
-            problems += s.plan_problems(self.recipe, info)
+            problems += [f"{self.recipe.path}: {p}" for p in s.plan_problems(self.recipe, info)]
         return problems
 
     # ------------------------------------------------------------ plan

@@ -255,7 +255,7 @@ def markdown(results: dict) -> str:
             f = flat(p)
             lines.append(f"| {n} | {p.get('what')} | " + " | ".join(_fmt(f[k]) for k, _ in METRICS) +
                          f" | {_fmt(f['size_bytes'], 'bytes')} | {_fmt(f['peak_rss_bytes'], 'bytes')} |")
-        if results.get("peer_ratios"):
+        if any(results.get("peer_ratios", {}).values()):
             lines += ["", "Peer speed ÷ our engine's speed (>1: the peer is faster):", "",
                       "| peer | vs | " + " | ".join(k for k, _ in METRICS) + " |",
                       "|---|---|" + "---|" * len(METRICS)]

@@ -402,7 +402,14 @@ def _wiki_pages(xml: bytes):
 
 
 def _extract_austen(deb: Path, entry: dict) -> dict[str, str]:
-    """The six novels (character vectors of lines) from janeaustenr's lazy-load data base, in manifest order."""
+    """The six novels (character vectors of lines) from janeaustenr's lazy-load data base, in manifest order.
+
+    The Gutenberg text is hard-wrapped at ~70 characters with two spaces after sentences; paragraphs are
+    reflowed (``reflow_paragraphs``) so the evaluation text reads like running prose. Token perplexity rises
+    (fp32 SmolLM2, first 4 x 512 tokens of Pride and Prejudice: 23.8 wrapped -> 27.3 reflowed) because the
+    easy newline/double-space tokens are gone, but per word it falls (4.41 -> 4.23 nats/word): the reflowed
+    text has no free tokens diluting a quantisation-induced loss change.
+    """
     rule = entry["extract"]
     files = deb_members(deb, [rule["rdx"], rule["rdb"]])
     objs = read_lazyload_db(files[rule["rdx"]], files[rule["rdb"]])
@@ -413,9 +420,27 @@ def _extract_austen(deb: Path, entry: dict) -> dict[str, str]:
         lines = objs[name]
         if not (isinstance(lines, list) and all(isinstance(x, str) or x is None for x in lines)):
             raise ForgeError(f"{deb.name}: {name} is not a character vector")
-        books.append("\n".join((x or "").rstrip() for x in lines).strip())
+        books.append(reflow_paragraphs(x or "" for x in lines))
     split = next(iter(entry["splits"]))
     return {split: "\n\n".join(books) + "\n"}
+
+
+_SPACES = re.compile(r"\s+")
+
+
+def reflow_paragraphs(lines) -> str:
+    """Undo hard line wrapping: lines of a paragraph joined by one space (runs of whitespace collapsed),
+    paragraphs (separated by empty lines in the source) joined by a blank line."""
+    paras, cur = [], []
+    for ln in lines:
+        if ln.strip():
+            cur.append(ln.strip())
+        elif cur:
+            paras.append(_SPACES.sub(" ", " ".join(cur)))
+            cur = []
+    if cur:
+        paras.append(_SPACES.sub(" ", " ".join(cur)))
+    return "\n\n".join(paras)
 
 
 EXTRACTORS: dict[str, Callable[[Path, dict], dict[str, str]]] = {

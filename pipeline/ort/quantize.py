@@ -1,0 +1,371 @@
+"""Post-training quantization of forge's FP32 ONNX graphs with onnxruntime.quantization.
+
+Algorithms (``algo``):
+
+* ``int8``    -- 8-bit weights for every weight MatMul and the embedding; ``options["method"]`` picks
+  ``dynamic`` (default: per-channel int8 weights, per-tensor int8 activations computed at run time, which ORT's
+  CPU kernels run as DynamicQuantizeMatMul / MatMulInteger) or ``static`` (QDQ W8A8 with activation scales
+  calibrated on ``calib_windows``, optionally SmoothQuant-folded into the RMSNorm weights first).
+* ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options["block_size"]``, default 32).
+* ``none``    -- the FP32 graph copied unchanged.
+
+Graph preparation (the FP32 export ties ``embed_tokens`` and ``lm_head``): the embedding ``Gather`` gets its own
+int8 per-row weight (``Gather(q) * Gather(scale)``, standard ONNX ops), and ``lm_head`` keeps its own transposed
+initializer so it can be quantized per output channel. Attention MatMuls whose both inputs are activations are never
+quantized (``MatMulConstBOnly``).
+
+Statistics (weight ranges / scales per quantized MatMul and, with calibration windows, activation ranges per input
+tensor) are written to ``out_dir/quant_stats.json``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import ForgeError
+from pipeline.progress import progress_bar
+
+from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
+
+__all__ = ["quantize_onnx", "ALGOS", "break_scales", "activation_stats"]
+
+ALGOS = ("none", "int8", "int4_wo")
+STATS_FILE = "quant_stats.json"
+
+
+# ---------------------------------------------------------------------------------------------- graph helpers
+
+def _load(model_dir: Path):
+    import onnx
+
+    path = Path(model_dir) / MODEL_FILE
+    if not path.exists():
+        raise ForgeError(f"quantize: no {MODEL_FILE} in {model_dir}; run the export stage first")
+    return onnx.load(str(path), load_external_data=True)
+
+
+def _save(model, out_dir: Path) -> Path:
+    import onnx
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / MODEL_FILE
+    for f in (path, out_dir / (MODEL_FILE + ".data")):
+        f.unlink(missing_ok=True)
+    onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=MODEL_FILE + ".data", size_threshold=1024)
+    return path
+
+
+def _inits(model) -> dict:
+    return {i.name: i for i in model.graph.initializer}
+
+
+def weight_matmuls(model) -> list[tuple[Any, str]]:
+    """(node, weight initializer name) of every MatMul whose B input is an initializer."""
+    inits = _inits(model)
+    return [(n, n.input[1]) for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
+
+
+def _embedding_gather(model, vocab: int):
+    inits = _inits(model)
+    for n in model.graph.node:
+        if n.op_type == "Gather" and n.input[0] in inits and len(inits[n.input[0]].dims) == 2 \
+                and inits[n.input[0]].dims[0] == vocab:
+            return n
+    return None
+
+
+def quantize_embedding_int8(model, vocab: int) -> dict | None:
+    """Replace the embedding Gather's FP32 table by an int8 table with one symmetric scale per row.
+
+    ``emb = Gather(W, ids)`` becomes ``Cast(Gather(Wq, ids)) * Gather(scale, ids)`` (standard ONNX ops).
+    Other users of the FP32 table (a tied lm_head not yet untied) keep it. Returns stats or None (no embedding).
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    g = _embedding_gather(model, vocab)
+    if g is None:
+        return None
+    inits = _inits(model)
+    w = numpy_helper.to_array(inits[g.input[0]]).astype(np.float32)
+    absmax = np.abs(w).max(axis=1, keepdims=True)
+    scale = np.where(absmax > 0, absmax / 127.0, 1.0).astype(np.float32)
+    q = np.clip(np.round(w / scale), -127, 127).astype(np.int8)
+    base = g.input[0]
+    qn, sn = base + "_int8", base + "_rowscale"
+    model.graph.initializer.extend([numpy_helper.from_array(q, qn), numpy_helper.from_array(scale, sn)])
+    out = g.output[0]
+    gq, gs, cast = out + "_q", out + "_s", out + "_f"
+    idx = list(model.graph.node).index(g)
+    new = [helper.make_node("Gather", [qn, g.input[1]], [gq], name=g.name + "_int8", axis=0),
+           helper.make_node("Gather", [sn, g.input[1]], [gs], name=g.name + "_scale", axis=0),
+           helper.make_node("Cast", [gq], [cast], name=g.name + "_cast", to=TensorProto.FLOAT),
+           helper.make_node("Mul", [cast, gs], [out], name=g.name + "_dequant")]
+    model.graph.node.remove(g)
+    for k, n in enumerate(new):
+        model.graph.node.insert(idx + k, n)
+    still_used = any(base in n.input for n in model.graph.node)
+    if not still_used:
+        model.graph.initializer.remove(inits[base])
+    err = float(np.abs(q.astype(np.float32) * scale - w).max())
+    return {"tensor": base, "rows": int(w.shape[0]), "scale_min": float(scale.min()),
+            "scale_max": float(scale.max()), "max_abs_error": err}
+
+
+def fold_weight_transposes(model) -> list[str]:
+    """Give every ``MatMul(x, Transpose(W))`` with an initializer ``W`` its own transposed initializer.
+
+    The dynamo export keeps a tied ``lm_head`` as ``MatMul(x, Transpose(embed_tokens.weight))``: without this the
+    quantizer sees no constant weight and leaves the largest MatMul in FP32. Returns the MatMul names rewired."""
+    from onnx import numpy_helper
+
+    inits = _inits(model)
+    prod = {o: n for n in model.graph.node for o in n.output}
+    done = []
+    for n in list(model.graph.node):
+        if n.op_type != "MatMul" or n.input[1] in inits:
+            continue
+        t = prod.get(n.input[1])
+        if t is None or t.op_type != "Transpose" or t.input[0] not in inits:
+            continue
+        w = numpy_helper.to_array(inits[t.input[0]])
+        perm = next((list(a.ints) for a in t.attribute if a.name == "perm"), list(range(w.ndim))[::-1])
+        if w.ndim != 2 or perm != [1, 0]:
+            continue
+        name = t.input[0] + "_T_" + n.name
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), name))
+        n.input[1] = name
+        done.append(n.name)
+    used = {i for n in model.graph.node for i in n.input}
+    for n in list(model.graph.node):
+        if n.op_type == "Transpose" and n.output[0] not in used and n.input[0] in inits:
+            model.graph.node.remove(n)
+    return done
+
+
+def _prune_unused_initializers(model) -> None:
+    used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
+    for init in list(model.graph.initializer):
+        if init.name not in used:
+            model.graph.initializer.remove(init)
+
+
+def module_name(node) -> str:
+    """The torch module a node came from (``model.layers.3.mlp.down_proj``, ``lm_head``), read from the dynamo
+    exporter's ``pkg.torch.onnx.name_scopes`` metadata; the node name when absent."""
+    import ast
+
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = [x for x in ast.literal_eval(p.value) if x]
+            except (ValueError, SyntaxError):
+                break
+            mods = [x for x in scopes if x.startswith("m.") or x == "m"]
+            if mods:
+                return mods[-1][2:] if mods[-1].startswith("m.") else mods[-1]
+    return node.name
+
+
+def _matches(node, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatch(node.name, p) or fnmatch.fnmatch(module_name(node), p) for p in patterns)
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+
+def activation_stats(model_dir: Path, windows, *, tensors: list[str], threads: int = 2,
+                     batch_size: int = 1) -> dict[str, dict]:
+    """Per-channel |max| and min/max of the named activation tensors of the FP32 graph over ``windows``
+    ([N, T] token ids), via extra ReduceMax/ReduceMin outputs added to a temporary copy of the graph."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from .engine import OrtEngine
+
+    model = _load(model_dir)
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    new_reduce = opset >= 18  # ReduceMax takes axes as an input from opset 18
+    extra = []
+    for k, t in enumerate(tensors):
+        a, mx, mn, amax = f"_fs_abs{k}", f"_fs_max{k}", f"_fs_min{k}", f"_fs_chmax{k}"
+        model.graph.node.extend([
+            helper.make_node("Abs", [t], [a]),
+            helper.make_node("ReduceMax", [t], [mx], keepdims=0),
+            helper.make_node("ReduceMin", [t], [mn], keepdims=0),
+            # per channel (last axis) of a rank-3 activation [B, T, C]
+            helper.make_node("ReduceMax", [a, "_fs_axes01"], [amax], keepdims=0) if new_reduce
+            else helper.make_node("ReduceMax", [a], [amax], keepdims=0, axes=[0, 1]),
+        ])
+        extra += [(t, mx, mn, amax)]
+    if new_reduce:
+        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0, 1], np.int64), "_fs_axes01"))
+    for _, mx, mn, amax in extra:
+        model.graph.output.extend([helper.make_tensor_value_info(mx, TensorProto.FLOAT, []),
+                                   helper.make_tensor_value_info(mn, TensorProto.FLOAT, []),
+                                   helper.make_tensor_value_info(amax, TensorProto.FLOAT, None)])
+    with tempfile.TemporaryDirectory(prefix="forge-calib-") as td:
+        _save(model, Path(td))
+        shutil.copy2(Path(model_dir) / META_FILE, Path(td) / META_FILE)
+        eng = OrtEngine(td, threads=threads)
+        names = [x for _, mx, mn, amax in extra for x in (mx, mn, amax)]
+        stats: dict[str, dict] = {t: {"max": -np.inf, "min": np.inf, "channel_absmax": None} for t in tensors}
+        ids = np.asarray(windows.numpy() if hasattr(windows, "numpy") else windows, dtype=np.int64)
+        with progress_bar("calibration (activation ranges)", ids.shape[0]) as advance:
+            for s in range(0, ids.shape[0], batch_size):
+                w = ids[s:s + batch_size]
+                m = np.ones_like(w)
+                feed = {"input_ids": w, "attention_mask": m,
+                        "position_ids": np.broadcast_to(np.arange(w.shape[1]), w.shape).astype(np.int64)}
+                feed.update(zip(eng.past_names, eng.empty_past(w.shape[0])))
+                outs = eng.session.run(names, feed)
+                for k, (t, *_rest) in enumerate(extra):
+                    mx, mn, ch = outs[3 * k: 3 * k + 3]
+                    st = stats[t]
+                    st["max"] = max(st["max"], float(mx))
+                    st["min"] = min(st["min"], float(mn))
+                    st["channel_absmax"] = ch if st["channel_absmax"] is None else np.maximum(st["channel_absmax"], ch)
+                advance(w.shape[0])
+    return stats
+
+
+def _summarise_channels(ch: np.ndarray) -> dict:
+    med = float(np.median(ch))
+    return {"channel_absmax_max": float(ch.max()), "channel_absmax_median": med,
+            "outlier_ratio": float(ch.max() / med) if med > 0 else None,
+            "top_channels": [int(i) for i in np.argsort(-ch)[:8]]}
+
+
+# ---------------------------------------------------------------------------------------------- algorithms
+
+def _weight_stats(model, nodes: list[tuple[Any, str]]) -> dict[str, dict]:
+    from onnx import numpy_helper
+
+    inits = _inits(model)
+    out = {}
+    for node, wname in nodes:
+        w = numpy_helper.to_array(inits[wname])
+        col = np.abs(w).max(axis=0)  # per output channel (MatMul B is [in, out])
+        out[node.name] = {"module": module_name(node), "weight": wname, "shape": list(w.shape), "weight_absmax": float(col.max()),
+                          "per_channel_scale_min": float(col.min() / 127), "per_channel_scale_max": float(col.max() / 127)}
+    return out
+
+
+def _int8_dynamic(model, out_dir: Path, options: dict, excluded: list[str]) -> dict:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="forge-q-") as td:
+        src = _save(model, Path(td))
+        quantize_dynamic(str(src), str(out_dir / MODEL_FILE), op_types_to_quantize=["MatMul"],
+                         per_channel=bool(options.get("per_channel", True)),
+                         reduce_range=bool(options.get("reduce_range", False)),
+                         weight_type=QuantType.QInt8, nodes_to_exclude=excluded, use_external_data_format=True,
+                         extra_options={"MatMulConstBOnly": True})
+    return {"method": "dynamic", "weights": "int8 per-channel symmetric" if options.get("per_channel", True)
+            else "int8 per-tensor symmetric", "activations": "int8 per-tensor, computed at run time"}
+
+
+def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str]) -> dict:
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    block = int(options.get("block_size", 32))
+    sym = bool(options.get("symmetric", False))
+    acc = options.get("accuracy_level", 4)
+    q = MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=sym, accuracy_level=acc,
+                             nodes_to_exclude=excluded, op_types_to_quantize=("MatMul",))
+    q.process()
+    _save(q.model.model, out_dir)
+    return {"method": "MatMulNBits", "weights": f"int4 {'sym' if sym else 'asym'} block {block}",
+            "activations": f"fp32 (accuracy_level {acc})"}
+
+
+def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib_windows=None,
+                  options: dict | None = None) -> dict:
+    """Quantize the FP32 forge ONNX model in ``fp32_dir`` into ``out_dir``; returns metrics + what ran.
+
+    ``options``: ``method`` (int8: dynamic|static), ``per_channel`` (default True), ``reduce_range`` (False),
+    ``embedding`` (int8|fp32, default int8), ``exclude`` (fnmatch patterns of MatMul node names kept FP32),
+    ``block_size`` / ``symmetric`` / ``accuracy_level`` (int4_wo), ``threads``.
+    """
+    fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
+    options = dict(options or {})
+    if algo not in ALGOS:
+        raise ForgeError(f"quantize.algo {algo!r} is not supported by the onnxruntime target; use one of {ALGOS}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    meta = json.loads((fp32_dir / META_FILE).read_text())
+    stats: dict[str, Any] = {"algo": algo}
+    if algo == "none":
+        for f in (MODEL_FILE, MODEL_FILE + ".data"):
+            shutil.copy2(fp32_dir / f, out_dir / f)
+        info = {"method": "none"}
+    else:
+        model = _load(fp32_dir)
+        untied = fold_weight_transposes(model)
+        _prune_unused_initializers(model)
+        stats["untied"] = untied
+        nodes = weight_matmuls(model)
+        excluded = [n.name for n, _ in nodes if _matches(n, list(options.get("exclude", [])))]
+        stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
+        if calib_windows is not None:
+            acts = sorted({n.input[0] for n, _ in nodes})
+            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=int(options.get("threads", 2)))
+            consumers = {}
+            for n, _ in nodes:
+                consumers.setdefault(n.input[0], []).append(module_name(n))
+            stats["activations"] = {t: {"consumers": consumers[t], "min": s["min"], "max": s["max"],
+                                        **_summarise_channels(s["channel_absmax"])} for t, s in act.items()}
+        emb = None
+        if options.get("embedding", "int8") == "int8" and algo == "int8":
+            emb = quantize_embedding_int8(model, meta["vocab_size"])
+            _prune_unused_initializers(model)
+        stats["embedding"] = emb
+        if algo == "int8":
+            method = options.get("method", "dynamic")
+            if method == "dynamic":
+                info = _int8_dynamic(model, out_dir, options, excluded)
+            else:
+                raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic")
+        else:
+            info = _int4_wo(model, out_dir, options, excluded)
+        info["excluded_nodes"] = excluded
+        info["quantized_matmuls"] = len(nodes) - len(excluded)
+    copy_side_files(fp32_dir, out_dir)
+    meta["quantization"] = {"algo": algo, **info}
+    (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
+    stats["method"] = info
+    (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1, default=float))
+    return {"algo": algo, **{k: v for k, v in info.items() if k != "excluded_nodes"},
+            "excluded": len(info.get("excluded_nodes", [])), "quantize_s": round(time.time() - t0, 2),
+            "model_bytes": model_bytes(out_dir), "fp32_model_bytes": model_bytes(fp32_dir),
+            "size_ratio": model_bytes(out_dir) / model_bytes(fp32_dir)}
+
+
+# ---------------------------------------------------------------------------------------------- test helper
+
+def break_scales(model_dir: str | Path, out_dir: str | Path, *, factor: float = 0.0) -> list[str]:
+    """Write a deliberately broken copy of a quantized model: every quantization scale initializer multiplied by
+    ``factor`` (0 = zeroed). Used to prove that validation rejects a broken engine. Returns the scales changed."""
+    from onnx import numpy_helper
+
+    model = _load(Path(model_dir))
+    changed = []
+    for init in model.graph.initializer:
+        n = init.name
+        if n.endswith(("_scale", "_rowscale", "_scales")) or n.endswith("scale"):
+            arr = numpy_helper.to_array(init)
+            if arr.dtype.kind == "f":
+                init.CopyFrom(numpy_helper.from_array((arr * factor).astype(arr.dtype), n))
+                changed.append(n)
+    if not changed:
+        raise ForgeError(f"{model_dir} has no quantization scales to break")
+    _save(model, Path(out_dir))
+    copy_side_files(Path(model_dir), Path(out_dir))
+    return changed

@@ -1,0 +1,96 @@
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from pipeline.errors import ForgeError
+from pipeline.eval.metrics import compare_logits
+from pipeline.ort.engine import OrtEngine
+from pipeline.ort.quantize import STATS_FILE, break_scales, quantize_onnx
+
+
+@pytest.fixture(scope="module")
+def eval_ids():
+    return np.random.default_rng(1).integers(0, 256, (2, 48))
+
+
+@pytest.fixture(scope="module")
+def ref_logits(tiny_onnx_dir, eval_ids):
+    return OrtEngine(tiny_onnx_dir, threads=1).logits(eval_ids)
+
+
+@pytest.fixture(scope="module")
+def int8_dir(tiny_onnx_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("int8")
+    calib = np.random.default_rng(0).integers(0, 256, (2, 32))
+    m = quantize_onnx(tiny_onnx_dir, out, algo="int8", calib_windows=calib, options={"threads": 1})
+    (out / "m.json").write_text(json.dumps(m))
+    return out
+
+
+def _ops(d):
+    return {n.op_type for n in onnx.load(str(d / "model.onnx"), load_external_data=False).graph.node}
+
+
+def test_int8_dynamic_runs_integer_matmuls_and_records_method(int8_dir, tiny_onnx_dir):
+    m = json.loads((int8_dir / "m.json").read_text())
+    assert m["method"] == "dynamic" and m["quantized_matmuls"] == 2 * 7 + 1  # 7 per layer + lm_head
+    ops = _ops(int8_dir)
+    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+    meta = json.loads((int8_dir / "forge_ort.json").read_text())
+    assert meta["quantization"]["algo"] == "int8" and meta["quantization"]["method"] == "dynamic"
+    # weights, lm_head and embedding are int8: the weight data shrinks ~4x (the tiny graph's proto dominates size_ratio)
+    data = lambda d: (d / "model.onnx.data").stat().st_size
+    assert data(int8_dir) < 0.3 * data(tiny_onnx_dir)
+
+
+def test_int8_stats_have_weight_and_activation_ranges(int8_dir):
+    st = json.loads((int8_dir / STATS_FILE).read_text())
+    mods = {v["module"] for v in st["weights"].values()}
+    assert "model.layers.1.mlp.down_proj" in mods and "lm_head" in mods
+    acts = st["activations"]
+    assert any("model.layers.0.self_attn.q_proj" in a["consumers"] for a in acts.values())
+    for a in acts.values():
+        assert a["max"] >= a["min"] and a["channel_absmax_max"] > 0
+    assert st["embedding"]["rows"] == 256 and st["embedding"]["max_abs_error"] < 0.05
+
+
+def test_int8_close_to_fp32(int8_dir, ref_logits, eval_ids):
+    m = compare_logits(ref_logits, OrtEngine(int8_dir, threads=1).logits(eval_ids), eval_ids)
+    assert abs(m["ppl_delta_pct"]) < 2.0
+    # a random tiny model has many near-ties; the real gates are checked on the real model (integration test)
+    assert m["top1_agreement"] > 0.75 and m["logits_cosine"] > 0.99
+
+
+def test_broken_scales_fail_the_compare(int8_dir, ref_logits, eval_ids, tmp_path):
+    changed = break_scales(int8_dir, tmp_path)
+    assert len(changed) >= 15
+    m = compare_logits(ref_logits, OrtEngine(tmp_path, threads=1).logits(eval_ids), eval_ids)
+    # the gates: ppl delta <= 5 % and top-1 >= 85 % -- a broken engine must miss them
+    assert m["top1_agreement"] < 0.85
+    assert m["logits_cosine"] < 0.5
+
+
+def test_exclude_keeps_lm_head_fp32(tiny_onnx_dir, tmp_path):
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"exclude": ["lm_head"]})
+    assert m["excluded"] == 1 and m["quantized_matmuls"] == 14
+
+
+def test_int4_weight_only_uses_matmulnbits(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"block_size": 32})
+    assert m["method"] == "MatMulNBits" and "block 32" in m["weights"]
+    assert "MatMulNBits" in _ops(tmp_path)
+    c = compare_logits(ref_logits, OrtEngine(tmp_path, threads=1).logits(eval_ids), eval_ids)
+    assert c["logits_cosine"] > 0.85  # Gaussian random weights are far from int4-friendly
+
+
+def test_none_is_a_copy(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="none")
+    assert m["size_ratio"] == pytest.approx(1.0, abs=0.01)
+    np.testing.assert_array_equal(OrtEngine(tmp_path, threads=1).logits(eval_ids), ref_logits)
+
+
+def test_unknown_algo_names_recipe_key(tiny_onnx_dir, tmp_path):
+    with pytest.raises(ForgeError, match="quantize.algo"):
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="fp4")

@@ -124,6 +124,8 @@ class TrtllmBuild(Section):
     user_buffer: bool = False
     multiple_profiles: bool = False
     workers: int = Field(1, ge=1)
+    gather_context_logits: bool = Field(True, description="engine returns context logits: needed by validate's perplexity/top-1 "
+                                        "(costs max_num_tokens x vocab x 4 bytes of GPU memory)")
     extra_args: list[str] = Field(default_factory=list)
 
 

@@ -151,13 +151,46 @@ class TrtllmBuildStage(Stage):
         if info is None:
             return []
         return validate_build(r.build.tensorrt_llm.model_dump(), r.quantize.model_dump(), info,
-                              r.build.tensorrt_llm.gpu_sm or gpu_sm())
+                              r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump())
 
     def run(self, ctx: StageContext) -> dict:
+        import os
+        import shutil
         from ..trtllm.build import build_engine
         from ..trtllm.build_config import trtllm_build_args
-        return build_engine(ctx.inputs["checkpoint"], ctx.out, ctx.recipe.build.tensorrt_llm.model_dump(),
-                            timing_cache_dir=ctx.home / "timing_cache" / target_sm(ctx.recipe))
+        # The timing cache lives beside the artifact cache, one per GPU SM: taken in, refreshed copy returned.
+        tc_dir = ctx.home / "timing_cache" / target_sm(ctx.recipe)
+        tc_in = tc_dir / "trtllm.timing.cache"
+        args = trtllm_build_args(ctx.recipe.build.tensorrt_llm.model_dump(), ctx.inputs["checkpoint"], ctx.out,
+                                 tc_in if tc_in.exists() else None, ctx.out / "timing.cache")
+        metrics = build_engine(ctx.inputs["checkpoint"], ctx.out, args, tc_in if tc_in.exists() else None)
+        if metrics.get("timing_cache_out"):
+            tc_dir.mkdir(parents=True, exist_ok=True)
+            tmp = tc_dir / f".{os.getpid()}.tmp"
+            shutil.copy2(metrics["timing_cache_out"], tmp)
+            os.replace(tmp, tc_in)
+        return metrics
+
+
+class EngineCandidate:
+    """The built engine through TensorRT-LLM's runtime, shaped like the other evaluation candidates."""
+
+    def __init__(self, engine_dir):
+        self.engine_dir = engine_dir
+
+    def logits(self, input_ids):
+        from ..errors import CannotRunHere
+        from ..trtllm.runtime import engine_outputs
+        out = engine_outputs(self.engine_dir, input_ids)
+        if "context_logits" not in out:
+            raise CannotRunHere("context logits from the engine", "rebuild with build.tensorrt_llm.gather_context_logits: true")
+        return out["context_logits"]
+
+    def generate(self, prompt_ids, max_new_tokens, greedy=True):
+        from ..trtllm.runtime import engine_outputs
+        out = engine_outputs(self.engine_dir, [list(prompt_ids)], max_new_tokens=max_new_tokens)["output_ids"]
+        seq = out[0, 0] if out.dim() == 3 else out[0]
+        return [int(t) for t in seq[len(prompt_ids):len(prompt_ids) + max_new_tokens]]
 
 
 class TrtllmEvaluate(EvaluateBase):
@@ -174,8 +207,7 @@ class TrtllmEvaluate(EvaluateBase):
         return trtllm_missing()
 
     def candidate(self, ctx):
-        from ..trtllm.runtime import EngineRunner
-        return EngineRunner(ctx.inputs["build"])
+        return EngineCandidate(ctx.inputs["build"])
 
 
 class TrtllmPackage(Stage):

@@ -13,7 +13,6 @@ import pytest
 from pipeline.errors import ForgeError
 from pipeline.triton.serve import TritonServer, find_tritonserver, port_in_use
 
-RECIPE = os.environ.get("FORGE_SERVE_RECIPE", "smollm2-135m-int8")
 
 try:
     find_tritonserver()
@@ -26,18 +25,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.serve,
 
 
 @pytest.fixture(scope="module")
-def built():
-    from pipeline.recipe import resolve
-    from pipeline.runner import Runner
-
-    r = resolve(RECIPE, ["quantize.calibration.samples=4", "quantize.calibration.batch=2", "validate.prompts.limit=3",
-                         "validate.prompts.max_new_tokens=12"])
-    results = {x.name: x for x in Runner(r).build()}
-    bad = {k: (v.status, v.message) for k, v in results.items() if v.status not in ("hit", "built")}
-    if bad:
-        pytest.fail(f"forge build {RECIPE} did not finish: {bad}")
+def built(default_build, default_package):
+    r, results = default_build
     gens = json.loads((Path(results["evaluate"].payload) / "generations.json").read_text())
-    return Path(results["package"].payload), gens, r.validate_.prompts.max_new_tokens
+    return default_package, gens, r.validate_.prompts.max_new_tokens
 
 
 def _generate(url, text, n):

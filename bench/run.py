@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="fp32 HF dir (tokenizer, ORT GenAI builder input); default: FORGE_TEST_MODEL")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--peers", action="store_true", help="also run llama.cpp and ONNX Runtime GenAI")
-    ap.add_argument("--quick", action="store_true", help="3 repetitions, 32 new tokens (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="2 repetitions, 32 new tokens (a smoke run)")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     except AttributeError:
         usable = os.cpu_count() or 1
     threads = a.threads or usable
-    reps = a.reps or (3 if a.quick else 5)
+    reps = a.reps or (2 if a.quick else 3)     # 3 x (3 engines + 3 peers) fits `make bench` in ~15 min on 2 cores
     engines: dict[str, str] = {}
     reports: dict[str, Path] = {}
     if a.from_reports:

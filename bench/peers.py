@@ -142,6 +142,7 @@ class LlamaCppAdapter:
 
     def generate(self, ids: np.ndarray, n: int):
         out = []
+        self.llm.reset()   # else generate() reuses the KV cache of a matching prompt prefix from the last call
         for tok in self.llm.generate([int(x) for x in ids[0]], temp=0.0, top_k=1, reset=True):
             out.append(tok)
             if len(out) >= n:

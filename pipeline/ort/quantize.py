@@ -151,6 +151,75 @@ def fold_weight_transposes(model) -> list[str]:
     return done
 
 
+def smooth_fold(model, act_absmax: dict[str, np.ndarray], alpha: float, *, only: list[str] | None = None) -> dict:
+    """SmoothQuant (Xiao et al. 2023) folded exactly into the FP32 graph's initializers.
+
+    For an activation ``t`` read only by weight MatMuls, per input channel ``s = max|X|^a / max|W|^(1-a)``:
+    the consumers' weight rows are multiplied by ``s`` and ``t``'s producer divides by ``s`` -- either a ``Mul`` by a
+    per-channel initializer (an RMSNorm weight) or a ``Mul`` by the output of a weight MatMul whose columns are then
+    divided (the MLP's ``silu(gate) * up`` feeding ``down_proj``). Tensors with any other producer are left alone.
+    Returns per-tensor smoothing stats."""
+    from onnx import numpy_helper
+
+    inits = _inits(model)
+    prod = {o: n for n in model.graph.node for o in n.output}
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    out = {}
+
+    def arr(name):
+        return numpy_helper.to_array(inits[name]).astype(np.float32)
+
+    def put(name, value):
+        inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
+    for t, amax in act_absmax.items():
+        cons = readers.get(t, [])
+        if not cons or any(n.op_type != "MatMul" or n.input[0] != t or n.input[1] not in inits for n in cons):
+            continue
+        if only and not any(_matches(n, only) for n in cons):
+            continue
+        p = prod.get(t)
+        if p is None or p.op_type != "Mul":
+            continue
+        ws = [arr(n.input[1]) for n in cons]
+        if any(sum(1 for r in readers.get(n.input[1], [])) != 1 for n in cons):
+            continue  # a weight shared with another node cannot be rescaled alone
+        wmax = np.max([np.abs(w).max(axis=1) for w in ws], axis=0)
+        sc = np.power(np.maximum(amax, 1e-5), alpha) / np.power(np.maximum(wmax, 1e-5), 1 - alpha)
+        sc = np.clip(sc, 1e-4, 1e4).astype(np.float32)
+        fold = None
+        for k, side in enumerate(p.input):
+            if side in inits and arr(side).shape == sc.shape:
+                if len(readers[side]) > 1:  # the exporter dedups equal norm weights: give this Mul its own copy
+                    own = f"{side}_smooth_{p.name}"
+                    model.graph.initializer.append(numpy_helper.from_array(arr(side), own))
+                    inits[own] = model.graph.initializer[-1]
+                    readers[side].remove(p)
+                    readers[own] = [p]
+                    p.input[k] = own
+                    side = own
+                fold = ("norm", side)
+                break
+            q = prod.get(side)
+            if q is not None and q.op_type == "MatMul" and q.input[1] in inits and len(readers[side]) == 1 \
+                    and len(readers[q.input[1]]) == 1 and arr(q.input[1]).shape[-1] == sc.shape[0]:
+                fold = ("matmul", q.input[1])
+                break
+        if fold is None:
+            continue
+        kind, name = fold
+        put(name, arr(name) / sc if kind == "norm" else arr(name) / sc[None, :])
+        for n, w in zip(cons, ws):
+            put(n.input[1], w * sc[:, None])
+        out[t] = {"consumers": [module_name(n) for n in cons], "folded_into": kind, "scale_min": float(sc.min()),
+                  "scale_max": float(sc.max()), "act_absmax_before": float(amax.max()),
+                  "act_absmax_after": float((amax / sc).max())}
+    return out
+
+
 def _prune_unused_initializers(model) -> None:
     used = {i for n in model.graph.node for i in n.input} | {o.name for o in model.graph.output}
     for init in list(model.graph.initializer):
@@ -313,7 +382,6 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         stats["untied"] = untied
         nodes = weight_matmuls(model)
         excluded = [n.name for n, _ in nodes if _matches(n, list(options.get("exclude", [])))]
-        stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         if calib_windows is not None:
             acts = sorted({n.input[0] for n, _ in nodes})
             act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=int(options.get("threads", 2)))
@@ -322,6 +390,14 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                 consumers.setdefault(n.input[0], []).append(module_name(n))
             stats["activations"] = {t: {"consumers": consumers[t], "min": s["min"], "max": s["max"],
                                         **_summarise_channels(s["channel_absmax"])} for t, s in act.items()}
+        alpha = options.get("smoothquant_alpha")
+        if alpha is not None and algo == "int8":
+            if calib_windows is None:
+                raise ForgeError("quantize.options.smoothquant_alpha needs calibration data "
+                                 "(quantize.calibration); set it or drop smoothquant_alpha")
+            stats["smoothquant"] = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()},
+                                               float(alpha), only=options.get("smoothquant_only"))
+        stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         emb = None
         if options.get("embedding", "int8") == "int8" and algo == "int8":
             emb = quantize_embedding_int8(model, meta["vocab_size"])

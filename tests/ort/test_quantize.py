@@ -94,3 +94,21 @@ def test_none_is_a_copy(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
 def test_unknown_algo_names_recipe_key(tiny_onnx_dir, tmp_path):
     with pytest.raises(ForgeError, match="quantize.algo"):
         quantize_onnx(tiny_onnx_dir, tmp_path, algo="fp4")
+
+
+def test_smoothquant_fold_is_exact_in_fp32(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
+    import shutil
+
+    from pipeline.ort.quantize import _load, _save, activation_stats, fold_weight_transposes, smooth_fold, weight_matmuls
+
+    model = _load(tiny_onnx_dir)
+    fold_weight_transposes(model)
+    acts = sorted({n.input[0] for n, _ in weight_matmuls(model)})
+    st = activation_stats(tiny_onnx_dir, np.random.default_rng(0).integers(0, 256, (2, 32)), tensors=acts, threads=1)
+    info = smooth_fold(model, {t: s["channel_absmax"] for t, s in st.items()}, 0.5)
+    kinds = sorted(v["folded_into"] for v in info.values())
+    # per layer: input norm (q/k/v), post-attention norm (gate/up), up_proj (down); + final norm (lm_head)
+    assert kinds.count("norm") == 2 * 2 + 1 and kinds.count("matmul") == 2
+    _save(model, tmp_path)
+    shutil.copy2(tiny_onnx_dir / "forge_ort.json", tmp_path / "forge_ort.json")
+    np.testing.assert_allclose(OrtEngine(tmp_path, threads=1).logits(eval_ids), ref_logits, atol=2e-3, rtol=1e-3)

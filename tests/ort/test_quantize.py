@@ -33,16 +33,19 @@ def _ops(d):
     return {n.op_type for n in onnx.load(str(d / "model.onnx"), load_external_data=False).graph.node}
 
 
-def test_int8_dynamic_runs_integer_matmuls_and_records_method(int8_dir, tiny_onnx_dir):
+def test_int8_default_mixed_runs_integer_matmuls_and_records_method(int8_dir, tiny_onnx_dir):
     m = json.loads((int8_dir / "m.json").read_text())
-    assert m["method"] == "dynamic" and m["quantized_matmuls"] == 2 * 7 + 1  # 7 per layer + lm_head
+    assert m["method"] == "mixed" and m["quantized_matmuls"] == 2 * 7 + 1  # 7 per layer + lm_head
+    assert m["blockwise_nodes"] == 2 + 1  # down_proj per layer + lm_head
     ops = _ops(int8_dir)
-    assert "MatMulInteger" in ops or "DynamicQuantizeMatMul" in ops
+    assert "MatMulInteger" in ops and "MatMulNBits" in ops and "MatMul" in ops  # attention stays float
     meta = json.loads((int8_dir / "forge_ort.json").read_text())
-    assert meta["quantization"]["algo"] == "int8" and meta["quantization"]["method"] == "dynamic"
+    assert meta["quantization"]["algo"] == "int8" and meta["quantization"]["method"] == "mixed"
+    st = json.loads((int8_dir / STATS_FILE).read_text())
+    assert len(st["smoothquant"]) == 2 * 2  # q/k/v and gate/up inputs of both layers
     # weights, lm_head and embedding are int8: the weight data shrinks ~4x (the tiny graph's proto dominates size_ratio)
     data = lambda d: (d / "model.onnx.data").stat().st_size
-    assert data(int8_dir) < 0.3 * data(tiny_onnx_dir)
+    assert data(int8_dir) < 0.35 * data(tiny_onnx_dir)
 
 
 def test_int8_stats_have_weight_and_activation_ranges(int8_dir):
@@ -75,6 +78,19 @@ def test_broken_scales_fail_the_compare(int8_dir, ref_logits, eval_ids, tmp_path
 def test_exclude_keeps_lm_head_fp32(tiny_onnx_dir, tmp_path):
     m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"exclude": ["lm_head"]})
     assert m["excluded"] == 1 and m["quantized_matmuls"] == 14
+
+
+@pytest.mark.parametrize("method,op", [("dynamic", "MatMulInteger"), ("blockwise", "MatMulNBits")])
+def test_int8_methods(tiny_onnx_dir, tmp_path, ref_logits, eval_ids, method, op):
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"method": method})
+    assert m["method"] == method and op in _ops(tmp_path)
+    c = compare_logits(ref_logits, OrtEngine(tmp_path, threads=1).logits(eval_ids), eval_ids)
+    assert c["logits_cosine"] > 0.99
+
+
+def test_smoothquant_without_calibration_is_an_error(tiny_onnx_dir, tmp_path):
+    with pytest.raises(ForgeError, match="calibration"):
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"smoothquant_alpha": 0.5})
 
 
 def test_int4_weight_only_uses_matmulnbits(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):

@@ -41,7 +41,7 @@ bench: setup
 	$(BIN)/python -m bench.run --from-reports out --out bench/out
 
 bench-peers: setup
-	$(BIN)/python -m pip install -q llama-cpp-python onnxruntime-genai
+	$(BIN)/python -m pip install -q -e '.[peers]'
 	$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out --peers
 

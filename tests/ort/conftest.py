@@ -34,10 +34,3 @@ def tiny_onnx_dir(tiny_llama_dir, tmp_path_factory) -> Path:
     metrics = export_onnx(tiny_llama_dir, out, opset=18, parity={"fp32": {"atol": 1e-4, "rtol": 1e-4}})
     (out / "export_metrics.txt").write_text(repr(metrics))
     return out
-
-
-def real_model_dir() -> Path:
-    d = Path(os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"))
-    if not (d / "config.json").exists():
-        pytest.skip(f"real model not found at {d} (set FORGE_TEST_MODEL to an HF model dir)")
-    return d

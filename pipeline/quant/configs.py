@@ -1,9 +1,8 @@
 """The recipe's ``quantize:`` section: defaults, plan-time validation, and the ModelOpt config it maps to.
 
-Everything that changes the quantized result is a value of the resolved dict returned by
-:func:`resolve_quant_config`, so the stage's cache key (built from that dict) changes with it:
-algorithm, alpha, block size, KV cache, excluded layers, calibration set / samples / seq_len / batch / seed,
-and every QAT setting.
+Everything that changes the quantized result is a value of the ``quantize:`` dict (algorithm, alpha, block
+size, KV cache, options.exclude, calibration set / split / samples / seq_len / batch / seed, every QAT
+setting), so a stage config built from that dict changes its cache key with any of them.
 
 The algo → ModelOpt mapping follows TensorRT-LLM's ``quantize_by_modelopt.py`` (trtllm-reference.md §3):
 int8_sq → ``INT8_SMOOTHQUANT_CFG``, fp8 → ``FP8_DEFAULT_CFG``, int4_awq → ``INT4_AWQ_CFG``. For int8_wo / int4_wo
@@ -31,11 +30,11 @@ OPTIONS = ("exclude",)
 DEFAULTS: dict[str, Any] = {
     "method": "ptq",
     "algo": "none",
-    # SmoothQuant migration strength; None = DEFAULT_ALPHA. ModelOpt ships 1.0, which costs +19.8 %
-    # perplexity on SmolLM2 (measured-facts.md); TensorRT-LLM's legacy converter: "a good first try is 0.5".
+    # SmoothQuant migration strength; None = DEFAULT_ALPHA (ModelOpt's own default, 1.0). On SmolLM2
+    # (docs/quantization.md) 1.0 loses less than 0.5 (+22.9 % vs +29.5 % perplexity); both lose a lot.
     "alpha": None,
     # int4 group size along the input dim; None = TensorRT-LLM's 128 where it divides every quantized
-    # linear's input width, else the largest valid size <= 128 (SmolLM2: 576 and 1536 wide → 96).
+    # linear's input width, else the largest valid size <= 128 (SmolLM2: 576 and 1536 wide -> 96).
     "block_size": None,
     "kv_cache": "none",
     # options.exclude: fnmatch patterns over module names whose quantizers stay off ("*layers.0.mlp*").
@@ -56,7 +55,7 @@ DEFAULTS: dict[str, Any] = {
         "distill": {"enabled": False, "temperature": 2.0, "alpha": 1.0},
     },
 }
-DEFAULT_ALPHA = 0.5
+DEFAULT_ALPHA = 1.0
 
 # checkpoint ``quantization`` fields TensorRT-LLM expects for each algo (quantize_by_modelopt.py).
 TRTLLM_QUANT_ALGO = {

@@ -1,4 +1,5 @@
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -7,6 +8,14 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
 os.environ.setdefault("FORGE_PROGRESS", "0")
+
+# tests/conftest.py makes pytest put tests/ on sys.path, where tests/triton/ then passes for the `triton`
+# package: torch sees it, tries triton.language and transformers' model imports fail. Keep tests/ off the path.
+_TESTS = str(Path(__file__).resolve().parents[1])
+sys.path[:] = [p for p in sys.path if os.path.abspath(p) != _TESTS]
+for _name in [n for n in sys.modules if n == "triton" or n.startswith("triton.")]:
+    if "site-packages" not in str(getattr(sys.modules[_name], "__file__", "") or ""):
+        del sys.modules[_name]
 
 
 @pytest.fixture(scope="session")

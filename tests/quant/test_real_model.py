@@ -6,7 +6,12 @@ import torch
 from pipeline.quant import quantize_model, restore_model
 from pipeline.quant.calibrate import perplexity
 
-from conftest import real_model
+
+
+def real_model():
+    import os
+    from pathlib import Path
+    return Path(os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"))
 
 pytestmark = pytest.mark.integration
 

@@ -39,7 +39,8 @@ ROWS: dict[str, dict] = {
                                 "qat": dict(QAT, distill=DISTILL)},
 }
 NOTES = {
-    "int4_wo-g32": "lossless only because the upstream weights were Q4_1 group-32 (GGUF); not a win",
+    "int4_wo-g32": "symmetric int4 (TRT-LLM W4A16 grid); the upstream weights are asymmetric Q4_1 g32, so "
+                   "only an asymmetric g32 RTN would be lossless (measured-facts.md) — that is no win",
 }
 
 

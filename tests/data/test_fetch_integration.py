@@ -44,7 +44,7 @@ def test_real_fetch(home, name):
 
 
 def test_token_counts(home):
-    model = os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32")
+    model = os.environ.get("FORGE_TEST_MODEL", "/nonexistent-set-FORGE_TEST_MODEL")
     if not Path(model, "tokenizer.json").is_file():
         pytest.skip(f"FORGE_TEST_MODEL={model} has no tokenizer.json")
     from transformers import AutoTokenizer

@@ -14,18 +14,23 @@ pytestmark = pytest.mark.integration
 
 
 def real_model_dir() -> Path:
-    d = Path(os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"))
+    d = Path(os.environ.get("FORGE_TEST_MODEL", "/nonexistent-set-FORGE_TEST_MODEL"))
     if not (d / "config.json").exists():
         pytest.skip(f"real model not found at {d} (set FORGE_TEST_MODEL to an HF model dir)")
     return d
 
 
 @pytest.fixture(scope="module")
-def fp32_dir(tmp_path_factory):
+def fp32_dir(tmp_path_factory, request):
     src = real_model_dir()
     pre = os.environ.get("FORGE_TEST_ONNX_FP32")
     if pre and (Path(pre) / "model.onnx").exists():
         return Path(pre)
+    if not os.environ.get("FORGE_TEST_EXPORT_FRESH"):
+        # reuse the session's default-recipe build (same model, same exporter) instead of a second 3-min export
+        _, results = request.getfixturevalue("default_build")
+        if results["export"].status in ("built", "hit"):
+            return Path(results["export"].payload)
     from pipeline.ort.export import export_onnx
 
     out = tmp_path_factory.mktemp("fp32")

@@ -11,7 +11,7 @@ from pipeline.quant.calibrate import perplexity
 def real_model():
     import os
     from pathlib import Path
-    return Path(os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"))
+    return Path(os.environ.get("FORGE_TEST_MODEL", "/nonexistent-set-FORGE_TEST_MODEL"))
 
 pytestmark = pytest.mark.integration
 

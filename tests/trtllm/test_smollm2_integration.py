@@ -15,7 +15,7 @@ from pipeline.trtllm.checkpoint import write_checkpoint
 from pipeline.trtllm.contract import check_contract
 from pipeline.trtllm.reference import ReferenceModel
 
-MODEL = Path(os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"))
+MODEL = Path(os.environ.get("FORGE_TEST_MODEL", "/nonexistent-set-FORGE_TEST_MODEL"))
 CALIB_TEXT = Path("/usr/share/common-licenses/GPL-3")      # real English text present on Debian images
 EVAL_TEXT = Path("/usr/share/common-licenses/Apache-2.0")
 

@@ -165,8 +165,8 @@ def render(res: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=os.environ.get("FORGE_TEST_MODEL", "/tmp/smol-fp32"),
-                    help="HF dir of the FP32 source model (default: $FORGE_TEST_MODEL)")
+    ap.add_argument("--model", default=os.environ.get("FORGE_TEST_MODEL"),
+                    help="HF dir of the FP32 source model (default: $FORGE_TEST_MODEL, else the builtin SmolLM2 conversion)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parents[2] / "docs" / "quantization.md"))
     ap.add_argument("--only", nargs="*", help=f"rows to (re)run, of: {', '.join(ROWS)}")
     ap.add_argument("--force", action="store_true", help="re-run rows whose settings are unchanged")
@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.render_only:
         out.write_text(render(json.loads(out.with_suffix(".json").read_text())))
         return
+    if a.model is None:
+        from ..data import forge_home
+        from ..source import DEFAULT_SOURCE, resolve_source
+        a.model = resolve_source(DEFAULT_SOURCE, forge_home()).path
     run(Path(a.model), out, a.only, a.force, a.device)
     print(f"wrote {out}")
 

@@ -39,6 +39,11 @@ def trtllm_missing() -> str | None:
     return None
 
 
+def calibrates(q) -> bool:
+    """A KV-cache-only setting (algo none, kv_cache int8/fp8) calibrates too."""
+    return q.algo != "none" or q.kv_cache != "none"
+
+
 class ModeloptQuantize(Stage):
     name = "quantize"
     version = "1"
@@ -50,7 +55,7 @@ class ModeloptQuantize(Stage):
         q = r.quantize
         cfg = {"method": q.method, "algo": q.algo, "alpha": q.alpha, "block_size": q.block_size,
                "kv_cache": q.kv_cache, "options": q.options}
-        if q.algo != "none":
+        if calibrates(q):
             cfg["calibration"] = q.calibration.model_dump()
         if q.method == "qat":
             cfg["qat"] = q.qat.model_dump()
@@ -60,7 +65,7 @@ class ModeloptQuantize(Stage):
     def data(self, r, home):
         q = r.quantize
         sets = []
-        if q.algo != "none":
+        if calibrates(q):
             sets.append((q.calibration.set, q.calibration.split))
         if q.method == "qat":
             sets.append((q.qat.set, q.qat.split))
@@ -74,7 +79,7 @@ class ModeloptQuantize(Stage):
     def run(self, ctx: StageContext) -> dict:
         from ..quant import quantize_model
         q = ctx.recipe.quantize
-        calib = calibration_windows(ctx) if q.algo != "none" else None
+        calib = calibration_windows(ctx) if calibrates(q) else None
         train = eval_w = None
         if q.method == "qat":
             t = q.qat

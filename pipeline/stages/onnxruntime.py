@@ -65,7 +65,7 @@ class OrtQuantize(Stage):
 class OrtBuildStage(Stage):
     name = "build"
     version = "1"
-    needs = ("quantize",)
+    needs = ("quantize", "source")
     tools = ORT_TOOLS
     description = "ONNX Runtime graph optimisations applied and saved, session options recorded"
 
@@ -76,9 +76,14 @@ class OrtBuildStage(Stage):
         return cpu_hardware()   # optimised graphs may hold hardware-specific fusions
 
     def run(self, ctx: StageContext) -> dict:
+        import numpy as np
+        from .. import data as datasets
         from ..ort.optimize import optimize
         b = ctx.recipe.build.onnxruntime
-        return optimize(ctx.inputs["quantize"], ctx.out, level=b.opt_level, threads=b.intra_op_threads)
+        # check on real text (our own prompt list): random ids give atypical activations to quantized graphs
+        tok = tokenizer(str(model_dir(ctx)))
+        ids = np.array([sum((tok(p, add_special_tokens=False)["input_ids"] for p in datasets.load_prompts()), [])])
+        return optimize(ctx.inputs["quantize"], ctx.out, level=b.opt_level, threads=b.intra_op_threads, check_ids=ids)
 
 
 class OrtEvaluate(EvaluateBase):

@@ -150,6 +150,9 @@ class Thresholds(Section):
     logits_cosine_min: Optional[float] = Field(None, ge=-1, le=1)
     logits_max_abs_max: Optional[float] = Field(None, gt=0)
     greedy_match_min: Optional[float] = Field(None, ge=0, le=1, description="fraction of prompts whose greedy output equals FP32's")
+    simulated_ppl_gap_max: Optional[float] = Field(
+        None, gt=0, description="tensorrt_llm: max |checkpoint reference-numerics ppl - quantize stage's simulated ppl| "
+                                "on the first eval set, in perplexity points")
 
 
 class PromptsSection(Section):

@@ -81,7 +81,7 @@ def junit_xml(report: dict) -> str:
     return ET.tostring(suite, encoding="unicode")
 
 
-KEY_METRICS = ("ppl_delta_pct", "top1_agreement", "logits_cosine", "greedy_exact_match", "method", "size_ratio",
+KEY_METRICS = ("ppl_delta_pct", "ppl_ptq_delta_pct", "ppl_qat_delta_pct", "simulated_ppl_gap", "top1_agreement", "logits_cosine", "greedy_exact_match", "method", "size_ratio",
                "export_s", "max_abs_err", "passed")
 
 

@@ -59,7 +59,7 @@ class ModeloptQuantize(Stage):
             cfg["calibration"] = q.calibration.model_dump()
         if q.method == "qat":
             cfg["qat"] = q.qat.model_dump()
-            cfg["eval"] = [e.model_dump() for e in r.validate_.eval]
+        cfg["eval"] = r.validate_.eval[0].model_dump()   # the simulated perplexity the checkpoint is held to
         return cfg
 
     def data(self, r, home):
@@ -69,7 +69,7 @@ class ModeloptQuantize(Stage):
             sets.append((q.calibration.set, q.calibration.split))
         if q.method == "qat":
             sets.append((q.qat.set, q.qat.split))
-            sets += [(e.set, e.split) for e in r.validate_.eval]
+        sets.append((r.validate_.eval[0].set, r.validate_.eval[0].split))
         return set_digests(r, sets)
 
     def plan_problems(self, r, info):
@@ -80,12 +80,12 @@ class ModeloptQuantize(Stage):
         from ..quant import quantize_model
         q = ctx.recipe.quantize
         calib = calibration_windows(ctx) if calibrates(q) else None
-        train = eval_w = None
+        train = None
         if q.method == "qat":
             t = q.qat
             train = windows(ctx, t.set, t.split, t.samples, t.seq_len, t.seed)
-            e = ctx.recipe.validate_.eval[0]
-            eval_w = windows(ctx, e.set, e.split, e.samples, e.seq_len, e.seed)
+        e = ctx.recipe.validate_.eval[0]
+        eval_w = windows(ctx, e.set, e.split, e.samples, e.seq_len, e.seed)
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return quantize_model(model_dir(ctx), q.model_dump(), calib, ctx.out, train=train, eval_windows=eval_w,
@@ -123,13 +123,26 @@ class TrtllmCheckpoint(Stage):
 
 class CheckpointEvaluate(EvaluateBase):
     name = "evaluate_checkpoint"
-    needs = ("checkpoint", "source")
+    needs = ("checkpoint", "source", "quantize")
     subject = "tensorrt_llm checkpoint, reference numerics (not an engine)"
     description = "checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32"
 
     def candidate(self, ctx):
         from ..trtllm.reference import ReferenceModel
         return ReferenceModel(ctx.inputs["checkpoint"])
+
+    def run(self, ctx: StageContext) -> dict:
+        metrics = super().run(ctx)
+        # Hold the checkpoint to the quantize stage's own simulated figure on the same windows.
+        q = ctx.upstream_metrics.get("quantize", {})
+        simulated = q.get("ppl_qat") or q.get("ppl_ptq") or q.get("ppl_fp32")
+        e = ctx.recipe.validate_.eval[0]
+        mine = metrics["per_set"].get(f"{e.set}/{e.split}", {}).get("ppl")
+        if simulated is not None and mine is not None:
+            metrics["simulated_ppl"] = simulated
+            metrics["simulated_ppl_gap"] = abs(mine - simulated)
+            (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
+        return metrics
 
 
 class TrtllmBuildStage(Stage):

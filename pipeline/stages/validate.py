@@ -15,6 +15,7 @@ GATES = [
     ("logits_cosine", "logits_cosine_min", ">="),
     ("logits_max_abs", "logits_max_abs_max", "<="),
     ("greedy_exact_match", "greedy_match_min", ">="),
+    ("simulated_ppl_gap", "simulated_ppl_gap_max", "<="),
 ]
 
 

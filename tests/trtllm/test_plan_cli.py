@@ -1,0 +1,37 @@
+"""Plan-time validation of TensorRT-LLM recipes through the CLI (no model weights needed)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def forge(*args):
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", *args], capture_output=True, text=True, cwd=REPO,
+                          env=dict(os.environ, COLUMNS="200", FORGE_PROGRESS="0"), timeout=120)
+
+
+def test_tp2_on_smollm2_fails_at_plan_naming_the_key():
+    p = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "build.tensorrt_llm.tp=2")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2, out
+    assert "build.tensorrt_llm.tp: 2 does not divide the 9 attention heads" in out
+    assert "smollm2-135m-trtllm-tp3.yaml" in out and "Traceback" not in out
+
+
+def test_int8_kv_with_kv_cache_reuse_is_refused_at_plan():
+    p = forge("plan", "qwen7b-int8", "--set", "package.triton.enable_kv_cache_reuse=true")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2, out
+    assert "enable_kv_cache_reuse" in out
+
+
+def test_plan_marks_gpu_stages_cannot_run_here():
+    p = forge("plan", "qwen7b-fp16", "--json")
+    assert p.returncode == 0, p.stderr
+    import json
+    stages = {s["name"]: s for s in json.loads(p.stdout)["stages"]}
+    assert stages["build"]["status"] == "cannot-run-here"
+    assert "tensorrt_llm" in stages["build"]["reason"]

@@ -286,11 +286,20 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
         node = data
-        for part in parts[:-1]:
-            if not isinstance(node.get(part), dict):
-                node[part] = {}
-            node = node[part]
-        node[parts[-1]] = parse_value(value)
+        try:
+            for part in parts[:-1]:
+                if isinstance(node, list):          # list element by index: validate.eval.0.samples=4
+                    node = node[int(part)]
+                    continue
+                if not isinstance(node.get(part), (dict, list)):
+                    node[part] = {}
+                node = node[part]
+            if isinstance(node, list):
+                node[int(parts[-1])] = parse_value(value)
+            else:
+                node[parts[-1]] = parse_value(value)
+        except (ValueError, IndexError):
+            problems.append(f"--set {item!r}: '{key}' indexes a list with a position that does not exist")
     if problems:
         raise RecipeError(problems)
     return data

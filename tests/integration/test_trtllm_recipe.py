@@ -11,8 +11,9 @@ import pytest
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
-OVERRIDES = ["quantize.calibration.samples=8", "validate.eval.0.samples=2", "validate.prompts.limit=2",
-             "validate.prompts.max_new_tokens=4"]
+# the recipe's own calibration and eval sets (static SmoothQuant scales from fewer samples lose accuracy:
+# 8 x 256 calibration tokens measured +43 % perplexity vs +17 % with the recipe's 32); fewer prompts only
+OVERRIDES = ["validate.prompts.limit=2", "validate.prompts.max_new_tokens=4"]
 
 
 def test_tp3_recipe_runs_to_the_engine_boundary(tmp_path):

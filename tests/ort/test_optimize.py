@@ -30,5 +30,5 @@ def test_extended_fuses_dynamic_quant_and_keeps_logits(int8_plain, tmp_path):
 
 
 def test_bad_level_names_recipe_key(int8_plain, tmp_path):
-    with pytest.raises(ForgeError, match="optimization_level"):
+    with pytest.raises(ForgeError, match="build.onnxruntime.opt_level"):
         optimize(int8_plain, tmp_path, level="O3")

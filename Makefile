@@ -37,12 +37,14 @@ test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration and not serve"
 
 bench: setup
-	$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
+	@# an engine that fails its validation gates is still measured; its report says it failed
+	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out
 
 bench-peers: setup
 	$(BIN)/python -m pip install -q -e '.[peers]'
-	$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
+	@# an engine that fails its validation gates is still measured; its report says it failed
+	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out --peers
 
 doctor: setup

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import shutil
 import tempfile
 import time
@@ -37,6 +38,9 @@ from pipeline.errors import ForgeError
 from pipeline.progress import progress_bar
 
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
+
+# onnxruntime's quantizers log one INFO line per graph node (thousands); what ran is in our metrics instead
+logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 
 __all__ = ["quantize_onnx", "ALGOS", "break_scales", "activation_stats"]
 

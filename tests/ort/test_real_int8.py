@@ -3,11 +3,8 @@
 Set FORGE_TEST_ONNX_FP32 to an existing FP32 export dir of the same model to skip the (slow) export.
 """
 import os
-import statistics
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -67,10 +64,5 @@ def test_default_int8_meets_gates(fp32_dir, tmp_path):
     assert r["top1_agreement"] >= 0.85, r
     size = model_bytes(tmp_path) / model_bytes(fp32_dir)
     assert size <= 0.35, size
-    x = ev[:4]  # batch 4 x 256, side by side, interleaved
-    tr, tc = [], []
-    for _ in range(3):
-        t = time.perf_counter(); ref.logits(x); tr.append(time.perf_counter() - t)
-        t = time.perf_counter(); cand.logits(x); tc.append(time.perf_counter() - t)
-    speedup = statistics.median(tr) / statistics.median(tc)
-    assert speedup >= 1.3, (speedup, tr, tc)
+    # The >= 1.3x prefill speed gate is measured by `make bench` (side by side, medians, machine stated),
+    # not by a timed test: CI timing on a shared 2-core box is not a measurement.

@@ -279,7 +279,15 @@ def verify_deploy(repo: Path):
 def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HTTP port (gRPC = port+1, metrics = port+2)"),
           set_: Optional[List[str]] = SetOpt):
     """Serve a packaged model repository (or a recipe's last package) with a real tritonserver on loopback."""
+    import signal
     from .triton.serve import TritonServer
+
+    def _stop(signum, frame):
+        raise KeyboardInterrupt
+    # Ctrl-C and `kill`/`docker stop` both shut the server down cleanly (SIGINT may arrive ignored from a
+    # non-interactive parent shell, so install the handler explicitly).
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
     repo = Path(recipe_or_repo)
     if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
         repo = _package_of(recipe_or_repo, set_)
@@ -292,6 +300,7 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
                 time.sleep(0.5)
         except KeyboardInterrupt:
             err.print("stopping tritonserver ...")
+    err.print("tritonserver stopped")
 
 
 def _package_of(recipe: str, set_) -> Path:

@@ -161,3 +161,38 @@ def test_busy_port_refused(tiny_repo):
         s.listen()
         with pytest.raises(ForgeError, match=f"port {s.getsockname()[1]} on 127.0.0.1 is in use"):
             TritonServer(repo, http_port=s.getsockname()[1]).start()
+
+
+def test_forge_serve_cli_stops_cleanly_on_sigterm(tiny_repo):
+    repo_dir = tiny_repo[0] if isinstance(tiny_repo, tuple) else tiny_repo
+    """`forge serve REPO`: endpoints up, then SIGTERM (as from `kill` / `docker stop`) stops the server and frees the port."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from pipeline.triton.serve import free_port, port_in_use
+
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", str(repo_dir), "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert p.poll() is None, p.communicate()
+                time.sleep(0.5)
+        else:
+            raise AssertionError("server never became ready")
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err
+    assert f"http://127.0.0.1:{port}" in out and "tritonserver stopped" in err
+    assert not any(port_in_use(q) for q in (port, port + 1, port + 2))

@@ -373,8 +373,32 @@ def _nbits(model, out_dir: Path, options: dict, excluded: list[str], *, bits: in
             "activations": acts, "accuracy_level": acc}
 
 
-def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str]) -> dict:
-    return _nbits(model, out_dir, options, excluded, bits=4, sym_default=False)
+def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str], lm_head: list[str]) -> dict:
+    """Weight-only INT4 (MatMulNBits). ``options.method``: ``hqq`` (default; ORT's half-quadratic quantizer, float
+    zero points) or ``rtn`` (round-to-nearest, integer zero point). The untied lm_head stays 8-bit blockwise
+    (``options.lm_head_bits``: 8 or 4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    method = options.get("method", "hqq")
+    block = int(options.get("block_size", 32))
+    lm8 = [n for n in lm_head if n not in excluded] if int(options.get("lm_head_bits", 8)) == 8 else []
+    if method == "rtn":
+        info = _nbits(model, out_dir, options, excluded + lm8, bits=4, sym_default=False)
+    elif method == "hqq":
+        q = MatMulNBitsQuantizer(model, algo_config=HQQWeightOnlyQuantConfig(block_size=block, bits=4),
+                                 nodes_to_exclude=excluded + lm8, op_types_to_quantize=("MatMul",))
+        q.process()
+        _save(q.model.model, out_dir)
+        info = {"method": "MatMulNBits (HQQ)", "weights": f"int4 block {block}, float zero points (HQQ)",
+                "activations": "fp32 (HQQ's MatMulNBits kernels)"}
+    else:
+        raise ForgeError(f"quantize.options.method {method!r} is not known for int4_wo; use hqq or rtn")
+    if lm8:
+        import onnx
+        m = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
+        _nbits(m, out_dir, {**options, "nodes_to_include": lm8}, excluded, bits=8, sym_default=True)
+        info["lm_head"] = "int8 blockwise (MatMulNBits 8-bit)"
+    return info
 
 
 def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib_windows=None,
@@ -453,7 +477,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic or blockwise")
         else:
-            info = _int4_wo(model, out_dir, options, excluded)
+            info = _int4_wo(model, out_dir, options, excluded, untied)
         info["excluded_nodes"] = excluded
         info["quantized_matmuls"] = len(nodes) - len(excluded)
     copy_side_files(fp32_dir, out_dir)

@@ -30,7 +30,7 @@ class OrtExport(Stage):
 
 class OrtQuantize(Stage):
     name = "quantize"
-    version = "1"
+    version = "2"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
     description = "ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data"

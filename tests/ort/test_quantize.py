@@ -95,10 +95,21 @@ def test_smoothquant_without_calibration_is_an_error(tiny_onnx_dir, tmp_path):
 
 def test_int4_weight_only_uses_matmulnbits(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
     m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"block_size": 32})
-    assert m["method"] == "MatMulNBits" and "block 32" in m["weights"]
+    assert m["method"] == "MatMulNBits (HQQ)" and "block 32" in m["weights"]
     assert "MatMulNBits" in _ops(tmp_path)
+    import onnx
+    bits = [next(a.i for a in n.attribute if a.name == "bits")
+            for n in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node if n.op_type == "MatMulNBits"]
+    assert bits.count(8) == 1 and bits.count(4) == len(bits) - 1   # the untied lm_head stays 8-bit
     c = compare_logits(ref_logits, OrtEngine(tmp_path, threads=1).logits(eval_ids), eval_ids)
     assert c["logits_cosine"] > 0.85  # Gaussian random weights are far from int4-friendly
+
+
+def test_int4_rtn_method_is_available(tiny_onnx_dir, tmp_path):
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
+    assert m["method"] == "MatMulNBits" and "asym block 32" in m["weights"]
+    with pytest.raises(ForgeError, match="quantize.options.method"):
+        quantize_onnx(tiny_onnx_dir, tmp_path / "x", algo="int4_wo", options={"method": "gptq"})
 
 
 def test_none_is_a_copy(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):

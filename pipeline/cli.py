@@ -291,15 +291,15 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
     repo = Path(recipe_or_repo)
     if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
         repo = _package_of(recipe_or_repo, set_)
-    with TritonServer(repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2) as srv:
-        console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    localhost:{port + 1}\n  metrics "
-                      f"http://localhost:{port + 2}/metrics\n  try: curl -s -X POST {srv.url}/v2/models/ensemble/generate "
-                      "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 16}'\nCtrl-C stops it.")
-        try:
+    try:
+        with TritonServer(repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2) as srv:
+            console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    localhost:{port + 1}\n  metrics "
+                          f"http://localhost:{port + 2}/metrics\n  try: curl -s -X POST {srv.url}/v2/models/ensemble/generate "
+                          "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 16}'\nCtrl-C stops it.")
             while srv.alive():
                 time.sleep(0.5)
-        except KeyboardInterrupt:
-            err.print("stopping tritonserver ...")
+    except KeyboardInterrupt:   # also while starting: TritonServer stops what it started
+        err.print("stopping tritonserver ...")
     err.print("tritonserver stopped")
 
 

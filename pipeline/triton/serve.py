@@ -256,18 +256,22 @@ class TritonServer:
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
         deadline = time.monotonic() + self.ready_timeout_s
-        while True:
-            if self.proc.poll() is not None:
-                rc = self.proc.returncode
-                self.proc = None
-                raise ForgeError(f"tritonserver exited with code {rc} before it was ready; log {self.log_path}:\n{self.log_tail()}")
-            if self._ready():
-                return self
-            if time.monotonic() > deadline:
-                tail = self.log_tail()
-                self.stop()
-                raise ForgeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; log tail:\n{tail}")
-            time.sleep(0.25)
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    rc = self.proc.returncode
+                    self.proc = None
+                    raise ForgeError(f"tritonserver exited with code {rc} before it was ready; log {self.log_path}:\n{self.log_tail()}")
+                if self._ready():
+                    return self
+                if time.monotonic() > deadline:
+                    tail = self.log_tail()
+                    self.stop()
+                    raise ForgeError(f"tritonserver not ready after {self.ready_timeout_s:.0f} s; log tail:\n{tail}")
+                time.sleep(0.25)
+        except BaseException:
+            self.stop()   # interrupted while starting (Ctrl-C, SIGTERM): never leave a server behind
+            raise
 
     def _ready(self) -> bool:
         try:

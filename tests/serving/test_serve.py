@@ -174,25 +174,44 @@ def test_forge_serve_cli_stops_cleanly_on_sigterm(tiny_repo):
 
     from pipeline.triton.serve import free_port, port_in_use
 
+    import threading
+
     port = free_port()
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", str(repo_dir), "--port", str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
     try:
         deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                if urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status == 200:
-                    break
-            except OSError:
-                assert p.poll() is None, p.communicate()
-                time.sleep(0.5)
-        else:
-            raise AssertionError("server never became ready")
+        while not any("Ctrl-C stops it" in x for x in lines):   # forge says the server is up
+            assert p.poll() is None, p.stderr.read()
+            assert time.time() < deadline, "forge serve never reported the endpoints"
+            time.sleep(0.2)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5).status == 200
         p.send_signal(signal.SIGTERM)
-        out, err = p.communicate(timeout=60)
+        p.wait(timeout=60)
+        err = p.stderr.read()
+        out = "".join(lines)
     finally:
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0, err
     assert f"http://127.0.0.1:{port}" in out and "tritonserver stopped" in err
     assert not any(port_in_use(q) for q in (port, port + 1, port + 2))
+
+
+def test_interrupt_while_starting_leaves_no_server(tiny_repo, monkeypatch):
+    """Ctrl-C / SIGTERM during start-up: the half-started tritonserver is stopped, its ports freed."""
+    from pipeline.triton.serve import free_port
+
+    repo_dir = tiny_repo[0] if isinstance(tiny_repo, tuple) else tiny_repo
+    port = free_port()
+    srv = TritonServer(repo_dir, http_port=port, grpc_port=free_port(), metrics_port=free_port())
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(TritonServer, "_ready", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        srv.start()
+    assert srv.proc is None
+    assert not any(port_in_use(q) for q in (srv.http_port, srv.grpc_port, srv.metrics_port))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+import uuid
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,12 +138,14 @@ class Runner:
             blocked = [n for n in s.needs if n not in digests]
             if blocked:
                 up = next(p for p in out if p.name == blocked[0])
-                why = "runs after " + ", ".join(blocked) + (" (which cannot run here)" if up.status in ("cannot-run-here", "blocked") else " (rebuilt first)")
-                status = "cannot-run-here" if up.status in ("cannot-run-here", "blocked") else "miss"
+                after = ", ".join(blocked)
                 missing = s.missing(self.recipe)
                 if missing:
-                    status, why = "cannot-run-here", missing
-                out.append(StagePlan(s.name, "blocked" if status == "cannot-run-here" and not missing else status, reason=why))
+                    out.append(StagePlan(s.name, "cannot-run-here", reason=missing))
+                elif up.status in ("cannot-run-here", "blocked"):
+                    out.append(StagePlan(s.name, "blocked", reason=f"runs after {after} (which cannot run here)"))
+                else:
+                    out.append(StagePlan(s.name, "miss", reason=f"runs after {after} (rebuilt first)"))
                 continue
             comps = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
@@ -247,8 +251,6 @@ class Runner:
 
     def _replace(self, key: str) -> None:
         """--force: move the old entry aside so the fresh build can take its place."""
-        import shutil
-        import uuid
         old = self.cache.get(key, verify=False)
         if old is not None:
             aside = self.cache.root / "tmp" / f"replaced-{key[:16]}-{uuid.uuid4().hex[:8]}"

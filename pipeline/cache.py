@@ -27,14 +27,12 @@ from typing import Iterator
 
 from filelock import FileLock
 
+from .env import cache_root
 from .hashing import sha256_json, tree_digest
 
 
 def default_root() -> Path:
-    if os.environ.get("FORGE_CACHE"):
-        return Path(os.environ["FORGE_CACHE"])
-    home = Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
-    return home / "artifacts"
+    return cache_root()
 
 
 def make_key(components: dict) -> str:

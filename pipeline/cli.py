@@ -222,7 +222,7 @@ def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", he
 def data_fetch(sets: Optional[List[str]] = typer.Argument(None), force: bool = typer.Option(False, "--force")):
     """Fetch and verify data sets (all by default) from their registries."""
     from . import data as datasets
-    from .runner import forge_home
+    from .env import forge_home
     for s in sets or list(datasets.available_sets()):
         paths = datasets.fetch(s, forge_home(), force=force)
         for split, p in paths.items():

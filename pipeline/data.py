@@ -44,6 +44,7 @@ from xml.etree.ElementTree import iterparse
 import yaml
 from filelock import FileLock
 
+from .env import forge_home
 from .errors import ForgeError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -52,9 +53,6 @@ MANIFEST = DATA_DIR / "manifest.yaml"
 PROMPTS = DATA_DIR / "prompts.txt"
 
 
-def forge_home() -> Path:
-    """``$FORGE_HOME`` or ``~/.cache/forge``."""
-    return Path(os.environ.get("FORGE_HOME") or Path.home() / ".cache" / "forge").expanduser()
 
 
 def _sha256(data: bytes) -> str:

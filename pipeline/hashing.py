@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -30,7 +29,8 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def _stat_db() -> sqlite3.Connection | None:
-    home = Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
+    from .env import forge_home
+    home = forge_home()
     try:
         home.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(home / "statcache.sqlite", timeout=30)

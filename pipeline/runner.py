@@ -13,15 +13,12 @@ from pathlib import Path
 import psutil
 
 from .cache import ArtifactCache, diff_components, make_key
+from .env import forge_home
 from .errors import CannotRunHere, ForgeError, StageFailed
 from .modelinfo import ModelInfo
 from .recipe import Recipe
 from .stages import flow_for
 from .stages.base import Stage, StageContext
-
-
-def forge_home() -> Path:
-    return Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
 
 
 @dataclass

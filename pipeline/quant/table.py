@@ -52,7 +52,8 @@ def _q(row: dict) -> dict:
 
 def _windows(tok, spec: dict):
     from pipeline import data
-    text = data.load_text(spec["set"], spec["split"], data.forge_home())
+    from pipeline.env import forge_home
+    text = data.load_text(spec["set"], spec["split"], forge_home())
     return data.token_windows(tok, text, spec["samples"], spec["seq_len"], spec["seed"])
 
 
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         out.write_text(render(json.loads(out.with_suffix(".json").read_text())))
         return
     if a.model is None:
-        from ..data import forge_home
+        from ..env import forge_home
         from ..source import DEFAULT_SOURCE, resolve_source
         a.model = resolve_source(DEFAULT_SOURCE, forge_home()).path
     run(Path(a.model), out, a.only, a.force, a.device)

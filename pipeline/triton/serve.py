@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pipeline.env import forge_home
 from pipeline.errors import ForgeError
 from pipeline.hashing import sha256_json
 
@@ -71,7 +72,7 @@ def backend_directory(binary: Path | None = None) -> Path:
         have = sorted(p.name for p in (dist / "python_backend_stubs").iterdir()) if (dist / "python_backend_stubs").is_dir() else []
         raise ForgeError(f"nvidia-pytriton has no python backend stub for Python {ver} (it has {have}); "
                          "run forge with one of those Python versions")
-    home = Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
+    home = forge_home()
     out = home / "triton-backends" / f"{dist.stat().st_ino}-py{ver}"
     pdir = out / "python"
     want = {"libtriton_python.so": dist / "backends" / "python" / "libtriton_python.so",
@@ -105,7 +106,7 @@ def stub_environment() -> Path:
     Built once per interpreter under FORGE_HOME; needs the numpy wheel (pip cache or index) once.
     """
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
-    home = Path(os.environ.get("FORGE_HOME", Path.home() / ".cache" / "forge"))
+    home = forge_home()
     main_site = [p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir()]
     key = sha256_json({"base": sys.base_prefix, "ver": sys.version, "site": main_site, "numpy": STUB_NUMPY, "layout": 2})[:16]
     env_dir = home / "triton-stub-env" / f"py{ver}-{key}"

@@ -151,10 +151,22 @@ def test_available_sets_and_prompts(tmp_path, monkeypatch):
 
 
 def test_forge_home(monkeypatch, tmp_path):
+    from pipeline.cache import ArtifactCache
+    from pipeline.env import cache_root, forge_home
+    monkeypatch.delenv("FORGE_CACHE", raising=False)
     monkeypatch.setenv("FORGE_HOME", str(tmp_path))
-    assert data.forge_home() == tmp_path
+    assert forge_home() == tmp_path and cache_root() == tmp_path / "artifacts"
+    assert ArtifactCache().root == tmp_path / "artifacts"
     monkeypatch.delenv("FORGE_HOME")
-    assert data.forge_home() == Path.home() / ".cache" / "forge"
+    assert forge_home() == Path.home() / ".cache" / "forge"
+    # an empty value is unset, not the current directory (data and cache must never split)
+    monkeypatch.setenv("FORGE_HOME", "")
+    assert forge_home() == Path.home() / ".cache" / "forge" == cache_root().parent
+    monkeypatch.setenv("FORGE_CACHE", "  ")
+    assert cache_root() == Path.home() / ".cache" / "forge" / "artifacts"
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FORGE_HOME", "rel")
+    assert forge_home() == tmp_path / "rel"   # relative values are anchored once, not per call site
 
 
 def test_update_records_keeps_layout():

@@ -280,7 +280,7 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
           set_: Optional[List[str]] = SetOpt):
     """Serve a packaged model repository (or a recipe's last package) with a real tritonserver on loopback."""
     import signal
-    from .triton.serve import TritonServer
+    from .triton.serve import TritonServer, endpoints
 
     def _stop(signum, frame):
         raise KeyboardInterrupt
@@ -293,9 +293,10 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
         repo = _package_of(recipe_or_repo, set_)
     try:
         with TritonServer(repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2) as srv:
-            console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    localhost:{port + 1}\n  metrics "
-                          f"http://localhost:{port + 2}/metrics\n  try: curl -s -X POST {srv.url}/v2/models/ensemble/generate "
-                          "-d '{\"text_input\": \"The capital of France is\", \"max_tokens\": 16}'\nCtrl-C stops it.")
+            console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    {srv.grpc_url}\n  metrics "
+                          f"{srv.metrics_url}", highlight=False)
+            console.print("\n".join(endpoints(repo, srv.url, srv.grpc_url)) + "\nCtrl-C stops it.", highlight=False,
+                          markup=False, soft_wrap=True)
             while srv.alive():
                 time.sleep(0.5)
     except KeyboardInterrupt:   # also while starting: TritonServer stops what it started

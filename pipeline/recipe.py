@@ -125,7 +125,12 @@ class TrtllmBuild(Section):
     multiple_profiles: bool = False
     workers: int = Field(1, ge=1)
     gather_context_logits: bool = Field(True, description="engine returns context logits: needed by validate's perplexity/top-1 "
-                                        "(costs max_num_tokens x vocab x 4 bytes of GPU memory)")
+                                        "(costs max_num_tokens x vocab x 2 bytes of GPU memory with logits_dtype float16, "
+                                        "x 4 with float32); TensorRT-LLM turns KV-cache reuse off for such an engine")
+    logits_dtype: Literal["float16", "float32"] = Field(
+        "float16", description="trtllm-build --logits_dtype, always passed. The lm_head GEMM runs in the model dtype and "
+                               "the engine (strongly typed) casts its output to logits_dtype, so float32 stores the same "
+                               "rounded values in twice the memory")
     extra_args: list[str] = Field(default_factory=list)
 
 
@@ -172,7 +177,8 @@ class TritonSection(Section):
     decoupled: bool = False
     instance_count: int = Field(1, ge=1)
     max_queue_delay_microseconds: int = Field(0, ge=0)
-    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, le=1)
+    kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, lt=1, description="fraction of free GPU memory for the paged "
+                                                  "KV cache; TensorRT-LLM's executor requires 0 < f < 1")
     enable_kv_cache_reuse: bool = False
     max_beam_width: Optional[int] = Field(None, ge=1, description="defaults to the engine's")
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"

@@ -8,6 +8,19 @@ contradicts the engine is reported by :func:`check_triton_vs_engine` at plan tim
 
 The C++ backend reads ``gpt_model_path`` as an absolute path: it is written for the repository's
 location, and :func:`relocate_repo` rewrites it after the repository is moved.
+
+Parameters follow what the ``tensorrtllm`` backend of the TensorRT-LLM 1.2 line reads
+(NVIDIA/TensorRT-LLM ``triton_backend/inflight_batcher_llm/src/model_instance_state.cc`` @ c8c6df08,
+``model_state.cc`` @ 5cdd6921): ``gpt_model_type``, ``tokenizer_dir``, ``xgrammar_tokenizer_info_path`` and
+``guided_decoding_backend`` are read without a fallback (``getBatchingTypeFromParams``,
+``getGuidedDecodingConfigFromParams``), so a config without them does not load. Every other key has a
+default in the backend; forge writes the ones whose default is not what the recipe means (the backend
+turns ``enable_kv_cache_reuse`` ON when the key is absent). ``tests/serving/trtllm_backend_contract.py``
+holds the whole table and checks every generated repository against it.
+
+Endpoints: with ``decoupled: true`` the ``tensorrt_llm`` model is decoupled, and Triton makes the ensemble
+decoupled too, so the ensemble and the BLS model serve ``/generate`` and ``/generate_stream`` (and gRPC
+streaming) but not the KServe ``/infer`` or unary gRPC calls (:func:`pipeline.triton.serve.endpoints`).
 """
 
 from __future__ import annotations
@@ -47,6 +60,7 @@ def engine_facts(engine_build: dict) -> dict:
         return default
 
     tp = int(mapping.get("tp_size", pick("tp", 1)))
+    pretrained = engine_build.get("pretrained_config", {}) or {}
     pp = int(mapping.get("pp_size", pick("pp", 1)))
     kv = pick("kv_cache_type", "paged")
     kv = {"PAGED": "paged", "CONTINUOUS": "continuous", "DISABLED": "disabled"}.get(str(kv).split(".")[-1].upper(), str(kv).lower())
@@ -61,6 +75,9 @@ def engine_facts(engine_build: dict) -> dict:
         "use_paged_context_fmha": bool(pick("use_paged_context_fmha", False)),
         "kv_cache_type": kv,
         "tp": tp, "pp": pp, "world_size": int(mapping.get("world_size", tp * pp)),
+        # trtllm-build's default is off; the recipe section says it explicitly (TrtllmBuild.gather_context_logits)
+        "gather_context_logits": bool(pick("gather_context_logits", False)),
+        "logits_dtype": pretrained.get("logits_dtype") or pick("logits_dtype"),
     }
 
 
@@ -75,6 +92,14 @@ def check_triton_vs_engine(triton: dict, engine_build: dict) -> list[str]:
                         f"(engine: context_fmha={e['context_fmha']}, use_paged_context_fmha={e['use_paged_context_fmha']}, "
                         f"kv_cache_type={e['kv_cache_type']}); set it to false or build with "
                         "build.tensorrt_llm.use_paged_context_fmha: true (and a paged KV cache)")
+    if t.get("enable_kv_cache_reuse") and e["gather_context_logits"]:
+        # TrtGptModelInflightBatching::fixExecutorConfig (cpp/tensorrt_llm/batch_manager/
+        # trtGptModelInflightBatching.cpp @ b35ac1b6): "KV cache reuse disabled because model was built to
+        # return context logits" -- a warning at load time, and the recipe would not say what runs.
+        problems.append("package.triton.enable_kv_cache_reuse: true, but the engine is built with "
+                        "build.tensorrt_llm.gather_context_logits: true, and TensorRT-LLM turns KV-cache reuse off for "
+                        "engines that return context logits; set package.triton.enable_kv_cache_reuse: false (the "
+                        "validated engine needs context logits) or build without gather_context_logits")
     mbw = t.get("max_beam_width")
     if mbw is not None and int(mbw) != e["max_beam_width"]:
         problems.append(f"package.triton.max_beam_width: {mbw} differs from the engine's max_beam_width "
@@ -93,8 +118,10 @@ def check_triton_vs_engine(triton: dict, engine_build: dict) -> list[str]:
         if len(set(ids)) != len(ids) or any(int(i) < 0 for i in ids):
             problems.append(f"package.triton.gpu_device_ids: {ids} must be distinct non-negative device ids")
     frac = t.get("kv_cache_free_gpu_mem_fraction")
-    if frac is not None and not (0 < float(frac) <= 1):
-        problems.append(f"package.triton.kv_cache_free_gpu_mem_fraction: {frac} must be in (0, 1]")
+    if frac is not None and not (0 < float(frac) < 1):
+        # KvCacheConfig::setFreeGpuMemoryFraction checks 0 < f < 1 (cpp/tensorrt_llm/executor/kvCacheConfig.cpp @ b35ac1b6)
+        problems.append(f"package.triton.kv_cache_free_gpu_mem_fraction: {frac} must be strictly between 0 and 1 "
+                        "(TensorRT-LLM's executor rejects 1.0); use e.g. 0.9")
     if t.get("kv_cache_free_gpu_mem_fraction") is not None and e["kv_cache_type"] != "paged" and float(frac) != 0.9:
         problems.append("package.triton.kv_cache_free_gpu_mem_fraction applies to a paged KV cache; the engine's "
                         f"kv_cache_type is {e['kv_cache_type']}: leave it at its default or build with a paged KV cache")
@@ -107,7 +134,6 @@ def tensorrt_llm_config(t: dict, e: dict, engine_dir: str) -> dict:
     device_ids = t.get("gpu_device_ids") or list(range(world))
     p = dict(
         max_beam_width=int(t.get("max_beam_width") or e["max_beam_width"]),
-        FORCE_CPU_ONLY_INPUT_TENSORS="no",
         gpt_model_type="inflight_fused_batching",
         gpt_model_path=engine_dir,
         batch_scheduler_policy=t.get("batch_scheduler_policy", "guaranteed_no_evict"),
@@ -120,6 +146,11 @@ def tensorrt_llm_config(t: dict, e: dict, engine_dir: str) -> dict:
         num_nodes=1,
         cuda_graph_mode=bool(t.get("cuda_graph_mode", False)),
         decoding_mode="top_k_top_p" if int(t.get("max_beam_width") or e["max_beam_width"]) == 1 else "beam_search",
+        # read with no fallback by getGuidedDecodingConfigFromParams: present, empty = guided decoding off
+        # (the C++ backend ignores tokenizer_dir; xgrammar needs a tokenizer-info json forge does not write)
+        tokenizer_dir="",
+        xgrammar_tokenizer_info_path="",
+        guided_decoding_backend="",
     )
     if world > 1:
         p["participant_ids"] = ",".join(str(r) for r in range(world))

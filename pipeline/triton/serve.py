@@ -188,6 +188,45 @@ def servable_models(repo_dir: Path) -> tuple[list[str], list[str]]:
     return load, skip
 
 
+def front_models(repo_dir: Path) -> dict[str, bool]:
+    """Client-facing models of a repository (the ensemble and BLS models) -> whether Triton treats them as
+    decoupled. An ensemble is decoupled when any model it steps through is (Triton's rule), so a decoupled
+    ``tensorrt_llm`` makes ``ensemble`` decoupled."""
+    from pipeline.triton.pbtxt import parse_all_configs
+
+    cfgs = parse_all_configs(repo_dir)
+    out = {}
+    for name, cfg in sorted(cfgs.items()):
+        if cfg.platform == "ensemble":
+            out[name] = any(cfgs[s.model_name].model_transaction_policy.decoupled
+                            for s in cfg.ensemble_scheduling.step if s.model_name in cfgs)
+        elif "tensorrt_llm_model_name" in cfg.parameters:   # forge's BLS (pipeline/triton/templates.py bls)
+            out[name] = cfg.model_transaction_policy.decoupled
+    return out
+
+
+def endpoints(repo_dir: str | Path, url: str, grpc_url: str) -> list[str]:
+    """What each client-facing model serves, as lines for `forge serve`.
+
+    Decoupled models answer Triton's generate extension (``/generate``: one response; ``/generate_stream``:
+    server-sent events) and gRPC streaming; Triton refuses the KServe ``/infer`` and unary gRPC calls for
+    them. Non-decoupled models serve ``/generate``, ``/infer`` and unary gRPC, and do not stream.
+    """
+    body = '{"text_input": "The capital of France is", "max_tokens": 16}'
+    lines = []
+    for name, decoupled in front_models(Path(repo_dir)).items():
+        base = f"{url}/v2/models/{name}"
+        lines.append(f"  {name} ({'decoupled' if decoupled else 'not decoupled'}):")
+        lines.append(f"    generate : curl -s -X POST {base}/generate -d '{body}'")
+        if decoupled:
+            lines.append(f"    stream   : curl -s -N -X POST {base}/generate_stream -d '{body[:-1]}, \"stream\": true}}'")
+            lines.append(f"    gRPC     : {grpc_url} streaming (ModelStreamInfer) only")
+            lines.append(f"    not served: {base}/infer and unary gRPC (Triton refuses them for decoupled models)")
+        else:
+            lines.append(f"    KServe   : POST {base}/infer (HTTP), {grpc_url} ModelInfer (gRPC); no streaming")
+    return lines
+
+
 class TritonServer:
     """``with TritonServer(repo) as srv: srv.url`` — a real tritonserver on loopback.
 
@@ -339,8 +378,8 @@ def serve(repo_dir: str | Path, http_port: int = 8000, grpc_port: int | None = N
         echo(f"tritonserver ready (models: {', '.join(srv.loaded)})")
         if srv.skipped:
             echo(f"not loaded (their backend is not in the nvidia-pytriton server): {', '.join(srv.skipped)}")
-        echo(f"  generate : POST {srv.url}/v2/models/ensemble/generate  {{\"text_input\": \"...\", \"max_tokens\": 32}}")
-        echo(f"  KServe   : {srv.url}/v2/models/ensemble/infer  (HTTP), {srv.grpc_url} (gRPC)")
+        for line in endpoints(repo_dir, srv.url, srv.grpc_url):
+            echo(line)
         echo(f"  metrics  : {srv.metrics_url}")
         echo(f"  log      : {srv.log_path}")
         echo("Ctrl-C stops the server")

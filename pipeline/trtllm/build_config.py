@@ -196,6 +196,11 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
     return p
 
 
+def _default_logits_dtype() -> str:
+    from ..recipe import TrtllmBuild
+    return TrtllmBuild.model_fields["logits_dtype"].default
+
+
 def _flag(v) -> str:
     return "enable" if _on(v) else "disable"
 
@@ -223,6 +228,10 @@ def trtllm_build_args(build: dict, ckpt_dir: str | Path, out_dir: str | Path,
         args += ["--opt_num_tokens", str(int(b["opt_num_tokens"]))]
     if _on(b.get("gather_context_logits", False)):
         args += ["--gather_context_logits"]
+    # Always explicit: the checkpoint's own logits_dtype (ModelOpt writes the model dtype) would otherwise decide.
+    # trtllm-build applies it in build_model (model_config.logits_dtype = logits_dtype; tensorrt_llm/commands/build.py
+    # @ 65f1d15, choices float16/float32); why float16 is the default: recipe.py TrtllmBuild.logits_dtype.
+    args += ["--logits_dtype", str(b.get("logits_dtype") or _default_logits_dtype())]
     if timing_cache_in is not None:
         args += ["--input_timing_cache", str(timing_cache_in)]
     if timing_cache_out is not None:

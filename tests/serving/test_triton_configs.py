@@ -154,3 +154,30 @@ def test_write_trtllm_refuses_contradiction(tiny_artifacts, tmp_path):
         write_trtllm_repo(tmp_path / "r", engine_dir=tmp_path, tokenizer_dir=tiny_artifacts["tokenizer_dir"],
                           engine_config=ENGINE_CFG, triton={"max_beam_width": 2})
     assert not (tmp_path / "r").exists()
+
+
+def test_kv_cache_reuse_refused_for_an_engine_with_context_logits():
+    with_logits = {**ENGINE_CFG, "build_config": {**ENGINE_CFG["build_config"], "gather_context_logits": True}}
+    probs = check_triton_vs_engine({"enable_kv_cache_reuse": True}, with_logits)
+    assert len(probs) == 1 and probs[0].startswith("package.triton.enable_kv_cache_reuse: true, but the engine is built "
+                                                   "with build.tensorrt_llm.gather_context_logits: true"), probs
+    assert check_triton_vs_engine({"enable_kv_cache_reuse": False}, with_logits) == []
+    # the recipe's build section says the same (TrtllmBuild.gather_context_logits defaults to true)
+    assert check_triton_vs_engine({"enable_kv_cache_reuse": True},
+                                  {"tp": 1, "use_paged_context_fmha": True, "gather_context_logits": True})
+
+
+@pytest.mark.parametrize("frac", [1.0, 0.0, 1.5])
+def test_kv_cache_fraction_strictly_inside_zero_one(frac):
+    probs = check_triton_vs_engine({"kv_cache_free_gpu_mem_fraction": frac}, ENGINE_CFG)
+    assert any(p.startswith(f"package.triton.kv_cache_free_gpu_mem_fraction: {frac} must be strictly between 0 and 1")
+               for p in probs), probs
+    assert check_triton_vs_engine({"kv_cache_free_gpu_mem_fraction": 0.95}, ENGINE_CFG) == []
+
+
+def test_trtllm_config_carries_the_parameters_read_without_fallback(trtllm_repo):
+    repo, _ = trtllm_repo
+    p = parse_config(repo / "tensorrt_llm" / "config.pbtxt").parameters
+    for key in ("gpt_model_type", "tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
+        assert key in p, key
+    assert p["guided_decoding_backend"].string_value == "" and "FORCE_CPU_ONLY_INPUT_TENSORS" not in p

@@ -106,9 +106,33 @@ def test_trtllm_build_args_exact():
                     "--kv_cache_type", "paged", "--gemm_plugin", "auto", "--gpt_attention_plugin", "auto",
                     "--context_fmha", "enable", "--use_paged_context_fmha", "disable",
                     "--remove_input_padding", "enable", "--use_fused_mlp", "disable", "--reduce_fusion", "disable",
-                    "--user_buffer", "disable", "--multiple_profiles", "enable",
+                    "--user_buffer", "disable", "--multiple_profiles", "enable", "--logits_dtype", "float16",
                     "--input_timing_cache", "/tc/in.cache", "--output_timing_cache", "/e/timing.cache"]
     assert "--tp_size" not in args and "--max_output_len" not in args   # not trtllm-build flags (§2.1)
+
+
+def test_logits_dtype_always_passed():
+    """--logits_dtype is never left to the checkpoint's config (ModelOpt writes the model dtype there)."""
+    def flag(build):
+        a = trtllm_build_args(build, "/c", "/e", None, None)
+        assert a.count("--logits_dtype") == 1, a
+        return a[a.index("--logits_dtype") + 1]
+    assert flag(QWEN7B_INT8) == "float16"                                   # the schema default
+    assert flag({**QWEN7B_INT8, "logits_dtype": "float32"}) == "float32"
+    assert flag({**QWEN7B_INT8, "gather_context_logits": True}) == "float16"
+
+
+def test_every_trtllm_recipe_passes_its_logits_dtype():
+    from pipeline.recipe import list_recipes, resolve
+    seen = 0
+    for name in list_recipes():
+        r = resolve(name)
+        if r.build.target != "tensorrt_llm":
+            continue
+        seen += 1
+        args = trtllm_build_args(r.build.tensorrt_llm.model_dump(), "/c", "/e", None, None)
+        assert args[args.index("--logits_dtype") + 1] == r.build.tensorrt_llm.logits_dtype, name
+    assert seen >= 3
 
 
 @pytest.mark.skipif(trtllm_available()[0], reason="tensorrt_llm is installed here; the GPU test covers the build")

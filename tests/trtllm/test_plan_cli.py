@@ -35,3 +35,23 @@ def test_plan_marks_gpu_stages_cannot_run_here():
     stages = {s["name"]: s for s in json.loads(p.stdout)["stages"]}
     assert stages["build"]["status"] == "cannot-run-here"
     assert "tensorrt_llm" in stages["build"]["reason"]
+
+
+def test_kv_cache_reuse_with_context_logits_is_refused_at_plan():
+    """TensorRT-LLM silently turns reuse off for an engine built with gather_context_logits; plan says so first."""
+    p = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2, out
+    assert "package.triton.enable_kv_cache_reuse: true, but the engine is built with " \
+           "build.tensorrt_llm.gather_context_logits: true" in out
+    # without context logits in the engine the same reuse setting plans
+    ok = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true",
+               "--set", "build.tensorrt_llm.gather_context_logits=false")
+    assert "enable_kv_cache_reuse" not in ok.stdout + ok.stderr
+
+
+def test_kv_cache_fraction_of_one_is_a_recipe_error():
+    p = forge("plan", "qwen7b-fp16", "--set", "package.triton.kv_cache_free_gpu_mem_fraction=1.0")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2, out
+    assert "package.triton.kv_cache_free_gpu_mem_fraction" in out and "Traceback" not in out

@@ -1,10 +1,18 @@
-"""Triton python-backend BLS model (``tensorrt_llm_bls``): preprocessing -> engine -> postprocessing.
+"""Triton python-backend BLS model (``tensorrt_llm_bls`` / ``bls``): preprocessing -> engine -> postprocessing.
 
 Same client interface as the ensemble (``text_input``, ``max_tokens`` [, sampling inputs] ->
 ``text_output``, ``output_ids``), written as business-logic scripting so it can stream: when this
-model is decoupled and the request sets ``stream``, the engine model is called decoupled and each
-engine response (new tokens) is decoded and sent as it arrives. The engine model's name is the
-``tensorrt_llm_model_name`` parameter (``tensorrt_llm``, or ``onnxruntime_llm`` on CPU).
+model is decoupled and the request sets ``stream``, each engine response (new tokens) is decoded and
+sent as it arrives. The engine model's name is the ``tensorrt_llm_model_name`` parameter
+(``tensorrt_llm``, or ``onnxruntime_llm`` on CPU).
+
+Every call goes through ``exec(decoupled=True)``: python_backend refuses a non-decoupled BLS call into a
+decoupled model ("... is using the decoupled transaction policy ... use 'decoupled=True'",
+python_backend r25.12 src/request_executor.cc RequestExecutor::Infer), and a decoupled call into a
+non-decoupled model gets its one response, flagged final. The engine is called once per prompt row (the
+tensorrtllm backend refuses batch > 1 unless decoupled, and then answers per row without saying which
+row, triton_backend utils.cc createRequestsFromInputTensors); a non-streaming call collects every
+response and joins their tokens, so it does not depend on how many responses the engine sends.
 """
 
 import json
@@ -15,6 +23,8 @@ import triton_python_backend_utils as pb_utils
 # ensemble input -> (preprocessing input | engine input)
 _PRE = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "end_id": "END_ID", "pad_id": "PAD_ID"}
 _ENGINE = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature", "seed": "seed"}
+_PRE_OUT = ["INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"]
+_ENGINE_OUT = ["output_ids", "sequence_length"]
 
 
 def _param(cfg, key, default=None):
@@ -22,14 +32,41 @@ def _param(cfg, key, default=None):
     return default if v is None or v.startswith("${") else v
 
 
-def _call(model, inputs, outputs, decoupled=False):
+def _responses(model, inputs, outputs):
+    """Yield the responses of one BLS call (decoupled or not); an error response raises."""
     req = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs, inputs=inputs)
-    res = req.exec(decoupled=decoupled)
-    if decoupled:
-        return res
-    if res.has_error():
-        raise pb_utils.TritonModelException(f"{model}: {res.error().message()}")
-    return {n: pb_utils.get_output_tensor_by_name(res, n).as_numpy() for n in outputs}
+    for res in req.exec(decoupled=True):
+        if res.has_error():
+            raise pb_utils.TritonModelException(f"{model}: {res.error().message()}")
+        if res.output_tensors():   # a decoupled model may end with an empty, final-flagged response
+            yield {n: pb_utils.get_output_tensor_by_name(res, n).as_numpy() for n in outputs}
+
+
+def _single(model, inputs, outputs):
+    got = list(_responses(model, inputs, outputs))
+    if len(got) != 1:
+        raise pb_utils.TritonModelException(f"{model}: expected one response, got {len(got)}")
+    return got[0]
+
+
+def _tokens(out):
+    """Generated tokens of one engine response for one row: list per beam."""
+    ids = out["output_ids"].reshape(-1, out["output_ids"].shape[-1])        # [beams, n]
+    lens = out["sequence_length"].reshape(-1)                              # [beams]
+    return [ids[k, : int(lens[k])].tolist() for k in range(ids.shape[0])]
+
+
+def _padded(rows):
+    """rows[b][beam] = token list -> output_ids [b, beams, n] (-1 padded), sequence_length [b, beams]."""
+    beams = max(len(r) for r in rows)
+    width = max(1, max(len(t) for r in rows for t in r))
+    ids = np.full((len(rows), beams, width), -1, np.int32)
+    lens = np.zeros((len(rows), beams), np.int32)
+    for b, r in enumerate(rows):
+        for k, t in enumerate(r):
+            ids[b, k, : len(t)] = t
+            lens[b, k] = len(t)
+    return ids, lens
 
 
 class TritonPythonModel:
@@ -40,42 +77,55 @@ class TritonPythonModel:
         self.pre = _param(self.cfg, "preprocessing_model_name", "preprocessing")
         self.post = _param(self.cfg, "postprocessing_model_name", "postprocessing")
 
+    def _engine_inputs(self, request, pre, row):
+        eng_in = [pb_utils.Tensor("input_ids", pre["INPUT_ID"][row:row + 1, : int(pre["REQUEST_INPUT_LEN"][row, 0])]),
+                  pb_utils.Tensor("input_lengths", pre["REQUEST_INPUT_LEN"][row:row + 1]),
+                  pb_utils.Tensor("request_output_len", pre["REQUEST_OUTPUT_LEN"][row:row + 1]),
+                  pb_utils.Tensor("end_id", pre["OUT_END_ID"][row:row + 1]),
+                  pb_utils.Tensor("pad_id", pre["OUT_PAD_ID"][row:row + 1])]
+        for src, dst in _ENGINE.items():
+            t = pb_utils.get_input_tensor_by_name(request, src)
+            if t is not None:
+                a = t.as_numpy()
+                eng_in.append(pb_utils.Tensor(dst, a.reshape(a.shape[0], -1)[row:row + 1] if a.shape[0] > 1 else a))
+        return eng_in
+
     def _run(self, request, send):
         pre_in = [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in _PRE.items()
                   if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
-        pre = _call(self.pre, pre_in, ["INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"])
-        eng_in = [pb_utils.Tensor("input_ids", pre["INPUT_ID"]), pb_utils.Tensor("input_lengths", pre["REQUEST_INPUT_LEN"]),
-                  pb_utils.Tensor("request_output_len", pre["REQUEST_OUTPUT_LEN"]),
-                  pb_utils.Tensor("end_id", pre["OUT_END_ID"]), pb_utils.Tensor("pad_id", pre["OUT_PAD_ID"])]
-        eng_in += [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in _ENGINE.items()
-                   if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
+        pre = _single(self.pre, pre_in, _PRE_OUT)
+        rows = pre["INPUT_ID"].shape[0]
         stream_t = pb_utils.get_input_tensor_by_name(request, "stream")
         stream = bool(stream_t is not None and stream_t.as_numpy().reshape(-1)[0])
         if stream and not self.decoupled:
             raise pb_utils.TritonModelException("stream=true needs the decoupled BLS model (package.triton.decoupled: true)")
-        outs = ["output_ids", "sequence_length"]
         if stream:
-            eng_in.append(pb_utils.Tensor("streaming", np.array([[True]])))
-            for res in _call(self.engine, eng_in, outs, decoupled=True):
-                if res.has_error():
-                    raise pb_utils.TritonModelException(f"{self.engine}: {res.error().message()}")
-                if not res.output_tensors():
-                    continue  # final empty response
-                ids = pb_utils.get_output_tensor_by_name(res, "output_ids").as_numpy()
-                lens = pb_utils.get_output_tensor_by_name(res, "sequence_length").as_numpy()
-                send(self._decode(ids, lens))
-        else:
-            eng = _call(self.engine, eng_in, outs)
-            send(self._decode(eng["output_ids"], eng["sequence_length"]))
+            if rows != 1:
+                raise pb_utils.TritonModelException("stream=true takes one text_input per request")
+            eng_in = self._engine_inputs(request, pre, 0) + [pb_utils.Tensor("streaming", np.array([[True]]))]
+            for out in _responses(self.engine, eng_in, _ENGINE_OUT):
+                send(self._decode(*_padded([_tokens(out)])))
+            return
+        per_row = []
+        for row in range(rows):
+            beams = None
+            for out in _responses(self.engine, self._engine_inputs(request, pre, row), _ENGINE_OUT):
+                got = _tokens(out)
+                beams = got if beams is None else [a + b for a, b in zip(beams, got)]
+            if beams is None:
+                raise pb_utils.TritonModelException(f"{self.engine}: no response with output tokens")
+            per_row.append(beams)
+        send(self._decode(*_padded(per_row)))
 
     def _decode(self, ids, lens):
-        post = _call(self.post, [pb_utils.Tensor("TOKENS_BATCH", ids), pb_utils.Tensor("SEQUENCE_LENGTH", lens)],
-                     ["OUTPUT", "OUTPUT_IDS"])
+        post = _single(self.post, [pb_utils.Tensor("TOKENS_BATCH", ids), pb_utils.Tensor("SEQUENCE_LENGTH", lens)],
+                       ["OUTPUT", "OUTPUT_IDS"])
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("text_output", post["OUTPUT"]), pb_utils.Tensor("output_ids", post["OUTPUT_IDS"])])
 
     def execute(self, requests):
         if self.decoupled:
+            # a decoupled python model answers through its response sender and returns None (pb_stub.cc)
             for request in requests:
                 sender = request.get_response_sender()
                 try:

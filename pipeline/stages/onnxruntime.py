@@ -100,7 +100,7 @@ class OrtEvaluate(EvaluateBase):
 
 class OrtPackage(Stage):
     name = "package"
-    version = "1"
+    version = "2"   # 2: BLS model calls every model with exec(decoupled=True)
     needs = ("build", "validate", "evaluate", "source")
     tools = ORT_TOOLS
     description = "Triton model repository (ensemble text in / text out) + manifest.json"

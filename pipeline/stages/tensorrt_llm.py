@@ -230,7 +230,7 @@ class TrtllmEvaluate(EvaluateBase):
 
 class TrtllmPackage(Stage):
     name = "package"
-    version = "1"
+    version = "2"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls
     needs = ("build", "validate", "evaluate", "source")
     tools = TRTLLM_TOOLS
     description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"

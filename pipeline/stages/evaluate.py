@@ -43,13 +43,22 @@ class EvaluateBase(Stage):
         return set_digests(r, eval_sets(r) + [("prompts", "all")])
 
     def candidate(self, ctx: StageContext):
-        """An object with .logits(input_ids[B,T]) -> [B,T,V] and .generate(prompt_ids, n, greedy=True)."""
+        """An object with .logits(input_ids[B,T]) -> [B,T,V] and .generate(prompt_ids, n, greedy=True); a .close(),
+        if it has one, is called once when the evaluation ends."""
         raise NotImplementedError
 
     def run(self, ctx: StageContext) -> dict:
+        cand = self.candidate(ctx)
+        try:
+            return self._evaluate(ctx, cand)
+        finally:   # a candidate that holds an engine (a runner, an mpirun worker) releases it once, here
+            close = getattr(cand, "close", None)
+            if close is not None:
+                close()
+
+    def _evaluate(self, ctx: StageContext, cand) -> dict:
         mdir = model_dir(ctx)
         ref = TorchReference(mdir)
-        cand = self.candidate(ctx)
         per_set = {}
         total = LogitsComparer()
         for e in ctx.recipe.validate_.eval:

@@ -191,24 +191,25 @@ class TrtllmBuildStage(Stage):
 
 
 class EngineCandidate:
-    """The built engine through TensorRT-LLM's runtime, shaped like the other evaluation candidates."""
+    """The built engine through TensorRT-LLM's runtime, shaped like the other evaluation candidates.
 
-    def __init__(self, engine_dir):
-        self.engine_dir = engine_dir
+    One :class:`~pipeline.trtllm.runtime.EngineSession` per evaluation: the engine is loaded on the first chunk
+    and every later chunk and prompt goes through the same runner (or the same mpirun worker when tp*pp > 1);
+    ``close()`` (called by EvaluateBase.run) unloads it.
+    """
+
+    def __init__(self, engine_dir, *, runner_spec: str | None = None):
+        from ..trtllm.runtime import RUNNER, EngineSession
+        self.session = EngineSession(engine_dir, runner_spec=runner_spec or RUNNER)
 
     def logits(self, input_ids):
-        from ..errors import CannotRunHere
-        from ..trtllm.runtime import engine_outputs
-        out = engine_outputs(self.engine_dir, input_ids)
-        if "context_logits" not in out:
-            raise CannotRunHere("context logits from the engine", "rebuild with build.tensorrt_llm.gather_context_logits: true")
-        return out["context_logits"]
+        return self.session.context_logits(input_ids)
 
     def generate(self, prompt_ids, max_new_tokens, greedy=True):
-        from ..trtllm.runtime import engine_outputs
-        out = engine_outputs(self.engine_dir, [list(prompt_ids)], max_new_tokens=max_new_tokens)["output_ids"]
-        seq = out[0, 0] if out.dim() == 3 else out[0]
-        return [int(t) for t in seq[len(prompt_ids):len(prompt_ids) + max_new_tokens]]
+        return self.session.generate(prompt_ids, max_new_tokens)
+
+    def close(self):
+        self.session.close()
 
 
 class TrtllmEvaluate(EvaluateBase):

@@ -1,26 +1,53 @@
 """GPU-only: run a built TensorRT-LLM engine with TensorRT-LLM's runtime and compare it to FP32.
 
 Uses ``tensorrt_llm.runtime.ModelRunnerCpp`` (TensorRT-LLM 1.2.x). Context logits need an engine built with
-``--gather_context_logits`` (recipe key ``build.tensorrt_llm.gather_context_logits: true``). A multi-rank engine
-(tp*pp > 1) runs under ``mpirun -n <world_size>`` with this module as the program; rank 0 writes the result.
-Results are labelled "engine (TensorRT-LLM runtime)" — only code here ever produces that label.
+``--gather_context_logits`` (recipe key ``build.tensorrt_llm.gather_context_logits: true``). Results are
+labelled "engine (TensorRT-LLM runtime)" -- only code here ever produces that label.
+
+One runner per evaluation. :class:`EngineSession` loads the engine once and feeds every chunk and prompt
+through it; what this relies on, in TensorRT-LLM 1.2's own code:
+- ``ModelRunnerCpp.from_dir`` with no ``max_batch_size`` / ``max_input_len`` / ``max_output_len`` takes the
+  engine's own limits, so one runner covers any request the engine accepts; ``generate`` enqueues requests on
+  the runner's ``Executor`` and awaits their responses, so it can be called again and again
+  (tensorrt_llm/runtime/model_runner_cpp.py, the Executor-based 1.x version: ``from_dir`` "if max_batch_size is
+  None: max_batch_size = model_config.max_batch_size", ``generate`` -> ``self.session.enqueue_requests`` ->
+  ``_initialize_and_fill_output`` -> ``self.session.await_responses()``).
+- TensorRT-LLM's own evaluation does exactly that: examples/summarize.py @ 2340c776 builds the runner once
+  (``runner = runner_cls.from_dir(**runner_kwargs)``) and calls ``runner.generate`` for every batch of its
+  ``while data_point_idx < len(dataset)`` loop, on every MPI rank.
+- A multi-rank engine (tp * pp > 1) needs one process per rank under MPI (``WorldConfig.mpi``). Here that is ONE
+  long-lived ``mpirun -n <world_size> python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR`` per
+  evaluation: every rank loads its engine file once. Rank 0 is the executor's leader
+  (``Executor.can_enqueue_requests()``; ``generate`` returns [] on the other ranks: "If we are in a multi-gpu
+  scenario, only rank 0 continues") and serves requests written into CHANNEL_DIR as files. The other ranks
+  call ``Executor.shutdown()``, which on a non-leader rank only joins the execution thread, and that thread
+  ends when the leader's shutdown sends the terminate request (cpp/tensorrt_llm/executor/executorImpl.cpp
+  @ b35ac1b6, ``Executor::Impl::shutdown``, ``fetchNewRequests``: ``reqWithId.id == mTerminateReqId``).
+  ``shutdown`` is bound in Python (cpp/tensorrt_llm/nanobind/executor/executor.cpp: ``.def("shutdown", ...)``,
+  ``.def("can_enqueue_requests", ...)``).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from ..errors import CannotRunHere
+from ..errors import CannotRunHere, StageFailed
 
 LABEL = "engine (TensorRT-LLM runtime)"
+RUNNER = "pipeline.trtllm.runtime:load_runner"   # what `serve` builds, as module:callable
+POLL_S = 0.005
 
 
 def _require():
@@ -30,61 +57,225 @@ def _require():
                             "forge validate <recipe> on a GPU machine with tensorrt-llm 1.2.x installed")
 
 
-def _world_size(engine_dir: Path) -> int:
-    cfg = json.loads((engine_dir / "config.json").read_text())
+def world_size(engine_dir: str | Path) -> int:
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
     return int(cfg["pretrained_config"]["mapping"].get("world_size", 1))
 
 
-def _run_local(engine_dir: str, input_ids: torch.Tensor, max_new_tokens: int) -> dict:
+class Runner:
+    """One rank's loaded engine: ``ModelRunnerCpp`` with the two calls evaluation needs."""
+
+    def __init__(self, model_runner):
+        self.runner = model_runner
+        self.leader = bool(model_runner.session.can_enqueue_requests())
+
+    def context_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] token ids -> [B, T, vocab] context logits (float32 on CPU, vocab padding cut)."""
+        rows = [r.to(torch.int32) for r in torch.as_tensor(ids)]
+        out = self.runner.generate(batch_input_ids=rows, max_new_tokens=1, end_id=-1, pad_id=0, temperature=1.0,
+                                   top_k=1, output_sequence_lengths=True, return_dict=True)
+        cl = out.get("context_logits")
+        if cl is None:
+            raise CannotRunHere("context logits from the engine", "rebuild with build.tensorrt_llm.gather_context_logits: true")
+        if isinstance(cl, list):   # 1.x: one [T_i, vocab] tensor per row (model_runner.py ModelRunnerMixin._prepare_outputs)
+            cl = torch.stack(cl)
+        return cl[..., : self.runner.vocab_size].float().cpu()
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation: the new tokens only (the runner returns prompt + new tokens)."""
+        out = self.runner.generate(batch_input_ids=[torch.tensor(prompt_ids, dtype=torch.int32)],
+                                   max_new_tokens=max_new_tokens, end_id=-1, pad_id=0, temperature=1.0, top_k=1,
+                                   output_sequence_lengths=True, return_dict=True)
+        seq = out["output_ids"][0, 0].cpu()
+        return [int(t) for t in seq[len(prompt_ids):len(prompt_ids) + max_new_tokens]]
+
+    def shutdown(self) -> None:
+        """Leader: stop the executor (and with it the other ranks). Other ranks: wait for the leader's stop."""
+        self.runner.session.shutdown()
+
+
+def load_runner(engine_dir: str | Path) -> Runner:
+    """Load this MPI rank's engine once (engine limits; no KV-cache reuse: every window is new text)."""
+    _require()
     import tensorrt_llm
     from tensorrt_llm.runtime import ModelRunnerCpp
-
-    ids = [row.to(torch.int32) for row in torch.as_tensor(input_ids)]
-    runner = ModelRunnerCpp.from_dir(engine_dir=engine_dir, rank=tensorrt_llm.mpi_rank(),
-                                     max_batch_size=len(ids), max_input_len=max(len(r) for r in ids),
-                                     max_output_len=max_new_tokens, gather_generation_logits=False)
-    out = runner.generate(batch_input_ids=ids, max_new_tokens=max_new_tokens, end_id=-1, pad_id=0,
-                          temperature=1.0, top_k=1, output_sequence_lengths=True, return_dict=True)
-    torch.cuda.synchronize()
-    res = {"output_ids": out["output_ids"].cpu()}
-    if "context_logits" in out and out["context_logits"] is not None:
-        cl = out["context_logits"]
-        res["context_logits"] = torch.stack([c.float().cpu() for c in cl]) if isinstance(cl, list) else cl.float().cpu()
-    return res
+    return Runner(ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), rank=tensorrt_llm.mpi_rank(),
+                                          kv_cache_enable_block_reuse=False))
 
 
-def engine_outputs(engine_dir: str | Path, input_ids: Any, *, max_new_tokens: int = 1) -> dict:
-    """Context logits ``[B, T, V]`` (if the engine gathers them) and greedy ``output_ids`` from the engine."""
-    _require()
-    engine_dir = Path(engine_dir)
-    ws = _world_size(engine_dir)
-    ids = torch.as_tensor(input_ids, dtype=torch.long)
-    if ws == 1:
-        return _run_local(str(engine_dir), ids, max_new_tokens)
+def run_request(runner, req: dict) -> dict:
+    """One request of the session protocol against a loaded runner."""
+    if req["op"] == "logits":
+        return {"logits": runner.context_logits(req["ids"])}
+    if req["op"] == "generate":
+        return {"tokens": runner.generate(list(req["prompt"]), int(req["max_new_tokens"]))}
+    raise ValueError(f"unknown request {req['op']!r}")
+
+
+def _factory(spec: str) -> Callable[[str], Any]:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------- multi-rank worker
+def _save(obj, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)     # the reader never sees a half-written file
+
+
+def serve(engine_dir: str, channel: str | Path, runner_spec: str = RUNNER) -> None:
+    """The program each rank runs under mpirun: load once, then (rank 0) answer ``req-N.pt`` with ``res-N.pt``
+    until ``stop`` appears; the other ranks wait in the executor's shutdown until rank 0 stops."""
+    channel = Path(channel)
+    runner = _factory(runner_spec)(engine_dir)
+    if not runner.leader:
+        runner.shutdown()
+        return
+    n = 0
+    try:
+        while True:
+            req = channel / f"req-{n:06d}.pt"
+            if req.exists():
+                try:
+                    res = run_request(runner, torch.load(req))
+                except Exception as e:   # answered, and the worker keeps serving
+                    res = {"error": f"{type(e).__name__}: {e}"}
+                req.unlink()
+                _save(res, channel / f"res-{n:06d}.pt")
+                n += 1
+            elif (channel / "stop").exists():
+                break
+            else:
+                time.sleep(POLL_S)
+    finally:
+        runner.shutdown()
+
+
+def mpi_command(n: int) -> list[str]:
     if shutil.which("mpirun") is None:
-        raise CannotRunHere(f"mpirun (a {ws}-rank engine needs one process per rank)", f"mpirun -n {ws} python -m pipeline.trtllm.runtime ...")
-    with tempfile.TemporaryDirectory() as tmp:
-        inp, outp = Path(tmp) / "ids.pt", Path(tmp) / "out.pt"
-        torch.save({"ids": ids, "max_new_tokens": max_new_tokens}, inp)
-        subprocess.run(["mpirun", "--allow-run-as-root", "-n", str(ws), sys.executable, "-m", "pipeline.trtllm.runtime",
-                        str(engine_dir), str(inp), str(outp)], check=True)
-        return torch.load(outp)
+        raise CannotRunHere(f"mpirun (a {n}-rank engine needs one process per rank)",
+                            "install Open MPI (TensorRT-LLM's containers have it) and rerun")
+    return ["mpirun", "--allow-run-as-root", "-n", str(n)]
+
+
+class MpiWorker:
+    """One ``mpirun`` for the whole evaluation; requests and answers are files in a private directory."""
+
+    def __init__(self, engine_dir: str | Path, n: int, *, runner_spec: str = RUNNER, timeout_s: float = 3600.0,
+                 launch: Callable[[int], list[str]] | None = None):
+        self.channel = Path(tempfile.mkdtemp(prefix="forge-trtllm-"))
+        self.timeout_s = timeout_s
+        self.n = 0
+        cmd = (launch or mpi_command)(n) + [sys.executable, "-m", "pipeline.trtllm.runtime", "serve", str(engine_dir),
+                                            str(self.channel), "--runner", runner_spec]
+        self.log_path = self.channel / "worker.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def _log_tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def request(self, req: dict) -> dict:
+        n, self.n = self.n, self.n + 1
+        _save(req, self.channel / f"req-{n:06d}.pt")
+        res_path = self.channel / f"res-{n:06d}.pt"
+        deadline = time.monotonic() + self.timeout_s
+        while not res_path.exists():
+            if self.proc.poll() is not None:
+                raise StageFailed(f"the TensorRT-LLM worker ({self.proc.args[0]}) exited with code "
+                                  f"{self.proc.returncode}; its log:\n{self._log_tail()}")
+            if time.monotonic() > deadline:
+                raise StageFailed(f"the TensorRT-LLM worker answered nothing in {self.timeout_s:.0f} s; its log:\n"
+                                  f"{self._log_tail()}")
+            time.sleep(POLL_S)
+        res = torch.load(res_path)
+        res_path.unlink()
+        if "error" in res:
+            raise StageFailed(f"the TensorRT-LLM worker failed a {req['op']} request: {res['error']}")
+        return res
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        try:
+            if self.proc.poll() is None:
+                (self.channel / "stop").touch()
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(10)
+        finally:
+            shutil.rmtree(self.channel, ignore_errors=True)
+
+
+class EngineSession:
+    """The engine loaded once for a whole evaluation; ``with EngineSession(dir) as s: s.context_logits(ids)``.
+
+    tp * pp == 1: the runner lives in this process. Otherwise one :class:`MpiWorker`. Nothing is loaded until
+    the first request. ``runner_spec`` (``module:callable`` returning a :class:`Runner`-like object) exists so
+    tests can count how often an engine is loaded.
+    """
+
+    def __init__(self, engine_dir: str | Path, *, runner_spec: str = RUNNER, launch=None):
+        self.engine_dir = Path(engine_dir)
+        self.runner_spec = runner_spec
+        self.launch = launch
+        self._runner = None
+        self._worker: MpiWorker | None = None
+
+    def _call(self, req: dict) -> dict:
+        if self._runner is None and self._worker is None:
+            n = world_size(self.engine_dir)
+            if n == 1:
+                self._runner = _factory(self.runner_spec)(str(self.engine_dir))
+            else:
+                self._worker = MpiWorker(self.engine_dir, n, runner_spec=self.runner_spec, launch=self.launch)
+        if self._runner is not None:
+            return run_request(self._runner, req)
+        return self._worker.request(req)
+
+    def context_logits(self, ids) -> torch.Tensor:
+        return self._call({"op": "logits", "ids": torch.as_tensor(ids, dtype=torch.long)})["logits"]
+
+    def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        return self._call({"op": "generate", "prompt": [int(t) for t in prompt_ids],
+                           "max_new_tokens": int(max_new_tokens)})["tokens"]
+
+    def close(self) -> None:
+        runner, worker, self._runner, self._worker = self._runner, self._worker, None, None
+        if runner is not None:
+            runner.shutdown()
+        if worker is not None:
+            worker.close()
+
+    def __enter__(self) -> "EngineSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def engine_outputs(engine_dir: str | Path, input_ids: Any) -> dict:
+    """Context logits ``[B, T, V]`` of ``input_ids`` from the engine (one session, one load)."""
+    _require()
+    with EngineSession(engine_dir) as s:
+        return {"context_logits": s.context_logits(input_ids)}
 
 
 def validate_engine(engine_dir: str | Path, fp32_logits: torch.Tensor, input_ids: Any) -> dict:
     """Compare the engine's context logits with FP32 logits (pipeline.eval.metrics), labelled as an engine run."""
     from ..eval.metrics import compare_logits
     res = engine_outputs(engine_dir, input_ids)
-    if "context_logits" not in res:
-        raise CannotRunHere("context logits from the engine", "rebuild with build.tensorrt_llm.gather_context_logits: true")
     metrics = compare_logits(fp32_logits, res["context_logits"][..., :fp32_logits.shape[-1]], input_ids)
     return {"label": LABEL, **metrics}
 
 
-if __name__ == "__main__":  # mpirun entry: python -m pipeline.trtllm.runtime ENGINE_DIR IN.pt OUT.pt
-    import tensorrt_llm
-    eng, inp, outp = sys.argv[1:4]
-    d = torch.load(inp)
-    r = _run_local(eng, d["ids"], d["max_new_tokens"])
-    if tensorrt_llm.mpi_rank() == 0:
-        torch.save(r, outp)
+if __name__ == "__main__":  # mpirun entry: python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR [--runner M:F]
+    args = sys.argv[1:]
+    if len(args) not in (3, 5) or args[0] != "serve" or (len(args) == 5 and args[3] != "--runner"):
+        sys.exit("usage: python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR [--runner MODULE:CALLABLE]")
+    serve(args[1], args[2], args[4] if len(args) == 5 else RUNNER)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import shutil
 
 import pytest
 import torch
 
-from trtllm_tiny import int8_sq, tiny_llama
+from trtllm_tiny import int8_sq, tiny_llama, tiny_qwen2
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,17 +25,18 @@ BUILD = {"dtype": "float16", "max_batch_size": 4, "max_input_len": 64, "max_seq_
          "gather_context_logits": True}
 
 
-def _engine(model, hf, tmp_path, quant, build=BUILD):
+def _engine(model, hf, tmp_path, quant, build=BUILD, tp=1, name="engine"):
     from pipeline.modelinfo import ModelInfo
     from pipeline.trtllm.build import build_engine
     from pipeline.trtllm.build_config import trtllm_build_args
     from pipeline.trtllm.contract import check_contract
-    ckpt, eng = tmp_path / "ckpt", tmp_path / "engine"
+    ckpt, eng = tmp_path / f"ckpt-tp{tp}", tmp_path / name
     from pipeline.trtllm.checkpoint import write_checkpoint
-    write_checkpoint(model, ModelInfo.from_dir(hf), hf, ckpt, dtype="float16", tp=1, pp=1, quant=quant)
+    if not ckpt.exists():
+        write_checkpoint(model, ModelInfo.from_dir(hf), hf, ckpt, dtype="float16", tp=tp, pp=1, quant=quant)
     assert check_contract(ckpt) == []
     m = build_engine(ckpt, eng, trtllm_build_args(build, ckpt, eng, None, eng / "timing.cache"))
-    assert m["engines"] == ["rank0.engine"] and (eng / "trtllm-build.cmd").exists()
+    assert m["engines"] == [f"rank{r}.engine" for r in range(tp)] and (eng / "trtllm-build.cmd").exists()
     return ckpt, eng
 
 
@@ -74,3 +76,50 @@ def test_timing_cache_is_reused(tmp_path):
     m = build_engine(ckpt, eng2, trtllm_build_args(BUILD, ckpt, eng2, eng / "timing.cache", eng2 / "timing.cache"),
                      eng / "timing.cache")
     assert m["timing_cache_in"] and "--input_timing_cache" in m["command"]
+
+
+def test_session_loads_once_and_serves_logits_and_generation(tmp_path):
+    """One EngineSession answers repeated chunks and a greedy generation; the tokens follow the logits' argmax."""
+    from pipeline.trtllm.runtime import EngineSession
+    fp32 = tiny_llama(tmp_path / "hf")
+    _, eng = _engine(copy.deepcopy(fp32), tmp_path / "hf", tmp_path, {"algo": "none"})
+    ids = torch.randint(0, fp32.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    with EngineSession(eng) as s:
+        a, b = s.context_logits(ids), s.context_logits(ids)
+        assert a.shape == (2, 32, fp32.config.vocab_size) and torch.equal(a, b)
+        prompt = ids[0, :8].tolist()
+        gen = s.generate(prompt, 4)
+        first = s.context_logits(torch.tensor([prompt]))[0, -1].argmax().item()
+    assert len(gen) == 4 and gen[0] == first
+
+
+def test_logits_dtype_float32_stores_the_same_values(tmp_path):
+    """Why recipes use --logits_dtype float16: the lm_head GEMM output is already float16, float32 only widens it."""
+    from pipeline.trtllm.runtime import engine_outputs
+    fp32 = tiny_llama(tmp_path / "hf")
+    _, e16 = _engine(copy.deepcopy(fp32), tmp_path / "hf", tmp_path, {"algo": "none"},
+                     dict(BUILD, logits_dtype="float16"), name="e16")
+    _, e32 = _engine(copy.deepcopy(fp32), tmp_path / "hf", tmp_path, {"algo": "none"},
+                     dict(BUILD, logits_dtype="float32"), name="e32")
+    ids = torch.randint(0, fp32.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(3))
+    l16, l32 = engine_outputs(e16, ids)["context_logits"], engine_outputs(e32, ids)["context_logits"]
+    assert torch.equal(l32, l32.half().float())          # every float32 logit is a float16 value
+    assert (l16 - l32).abs().max().item() <= 1e-3 * l32.abs().max().item()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2 or shutil.which("mpirun") is None, reason="needs 2 GPUs and mpirun")
+def test_tp2_engine_one_mpirun_for_the_session(tmp_path):
+    from pipeline.eval.metrics import compare_logits
+    from pipeline.trtllm.runtime import EngineSession
+    fp32 = tiny_qwen2(tmp_path / "hfq")   # 4 heads / 1 KV head: tp 2 (the tiny Llama's 6/3 heads need tp 3)
+    _, eng = _engine(copy.deepcopy(fp32), tmp_path / "hfq", tmp_path, {"algo": "none"}, tp=2)
+    ids = torch.randint(0, fp32.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref = fp32(ids).logits.float()
+    with EngineSession(eng) as s:
+        got = [s.context_logits(ids) for _ in range(3)]
+        worker = s._worker
+        assert worker is not None and worker.proc.poll() is None     # one mpirun, still serving
+    assert worker.proc.returncode == 0
+    assert torch.equal(got[0], got[2])
+    assert compare_logits(ref, got[0][..., :ref.shape[-1]], ids)["top1_agreement"] >= 0.99

@@ -57,9 +57,12 @@ def _require():
                             "forge validate <recipe> on a GPU machine with tensorrt-llm 1.2.x installed")
 
 
+def mapping(engine_dir: str | Path) -> dict:
+    return json.loads((Path(engine_dir) / "config.json").read_text())["pretrained_config"]["mapping"]
+
+
 def world_size(engine_dir: str | Path) -> int:
-    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
-    return int(cfg["pretrained_config"]["mapping"].get("world_size", 1))
+    return int(mapping(engine_dir).get("world_size", 1))
 
 
 class Runner:
@@ -230,6 +233,12 @@ class EngineSession:
     def _call(self, req: dict) -> dict:
         if self._runner is None and self._worker is None:
             n = world_size(self.engine_dir)
+            if int(mapping(self.engine_dir).get("pp_size", 1)) > 1:
+                # ModelRunnerMixin._prepare_outputs (tensorrt_llm/runtime/model_runner.py, 1.x) has rank 0 wait for
+                # the last pipeline rank to send the context logits, but only the leader runs generate() with the
+                # Executor: that receive would never complete.
+                raise StageFailed(f"{self.engine_dir}: context logits of a pipeline-parallel engine (pp_size > 1) "
+                                  "cannot be read through ModelRunnerCpp; evaluate a build with build.tensorrt_llm.pp: 1")
             if n == 1:
                 self._runner = _factory(self.runner_spec)(str(self.engine_dir))
             else:

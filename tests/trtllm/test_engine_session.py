@@ -160,3 +160,13 @@ def test_mpirun_command():
     else:
         with pytest.raises(CannotRunHere, match="mpirun"):
             runtime.mpi_command(3)
+
+
+def test_pipeline_parallel_engine_refused_before_any_load(tmp_path):
+    d = tmp_path / "pp2"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"pretrained_config": {"mapping": {
+        "world_size": 2, "tp_size": 1, "pp_size": 2}}}))
+    with pytest.raises(StageFailed, match="build.tensorrt_llm.pp: 1"):
+        runtime.EngineSession(d, runner_spec=SPEC, launch=no_mpirun).context_logits(torch.zeros(1, 2, dtype=torch.long))
+    assert loads() == []

@@ -235,6 +235,7 @@ class TrtllmPackage(Stage):
     needs = ("build", "validate", "evaluate", "source")
     tools = TRTLLM_TOOLS
     description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"
+    hands_off = True
 
     def config(self, r):
         return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}

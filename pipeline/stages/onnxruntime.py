@@ -129,7 +129,7 @@ class OrtEvaluate(EvaluateBase):
 
 class OrtPackage(Stage):
     name = "package"
-    version = "2"   # 2: BLS model calls every model with exec(decoupled=True)
+    version = "3"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest)
     needs = ("build", "validate", "evaluate", "source")
     tools = ORT_TOOLS
     description = "Triton model repository (ensemble text in / text out) + manifest.json"

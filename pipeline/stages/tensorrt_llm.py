@@ -231,7 +231,7 @@ class TrtllmEvaluate(EvaluateBase):
 
 class TrtllmPackage(Stage):
     name = "package"
-    version = "2"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls
+    version = "3"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest)
     needs = ("build", "validate", "evaluate", "source")
     tools = TRTLLM_TOOLS
     description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"

@@ -9,7 +9,6 @@ or another GPU architecture than this machine has (engines are not portable acro
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib.metadata as md
 import json
 import platform
@@ -155,8 +154,9 @@ def write_manifest(repo_dir, info: dict) -> Path:
     recipe = info.get("recipe")
     rhash = info.get("recipe_hash") or (recipe.get("hash") if isinstance(recipe, dict) else None) \
         or (sha256_json(recipe) if recipe is not None else None)
+    # no timestamp: the same inputs give the same manifest (and package digest) on any machine or FORGE_HOME;
+    # when it was built is in the cache entry's meta.json and the build report
     manifest = {**info, "schema": SCHEMA, "engine": engine, "hardware": hardware, "tools": tools, "recipe_hash": rhash,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "files": repo_file_digests(repo)}
     path = repo / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")

@@ -129,7 +129,8 @@ class ArtifactCache:
 
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[Path]:
-        """Yield a fresh temp payload dir; on clean exit it is committed atomically, on error removed.
+        """Yield a fresh temp payload dir to fill and :meth:`commit` inside the block; on error (or without a
+        commit) it is removed.
 
         The dir's lock (``tmp/<name>.lock``) is held while it exists, so a later run can tell a dir whose
         owner was killed (lock free: removed by :meth:`clean_stale_tmp`) from one being written now.
@@ -144,6 +145,8 @@ class ArtifactCache:
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+            if tmp.exists():        # ended without commit(): nothing to keep
+                shutil.rmtree(tmp, ignore_errors=True)
         finally:
             lock.release()
             with contextlib.suppress(OSError):

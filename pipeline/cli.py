@@ -395,8 +395,7 @@ DEBUG = os.environ.get("FORGE_DEBUG", "") not in ("", "0")
 
 
 def main():
-    from click.exceptions import ClickException
-    from typer.exceptions import Abort, Exit
+    from typer.exceptions import Abort, Exit, TyperException
     try:
         code = app(standalone_mode=False)
         sys.exit(code if isinstance(code, int) else 0)
@@ -414,9 +413,10 @@ def main():
     except ForgeError as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
         sys.exit(EXIT_FAILED)
-    except ClickException as e:     # bad command-line syntax: click's own message
-        e.show()
-        sys.exit(EXIT_BAD_INPUT)
+    except TyperException as e:     # bad command-line syntax: click's own message
+        show = getattr(e, "show", None)
+        show() if show else err.print(f"[red]{escape(str(e))}")
+        sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
     except Exception as e:          # a bug: one line, the traceback only with --debug
         if DEBUG:
             import traceback

@@ -395,9 +395,16 @@ DEBUG = os.environ.get("FORGE_DEBUG", "") not in ("", "0")
 
 
 def main():
+    import signal
     from typer.exceptions import Abort, Exit, TyperException
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt     # SIGTERM (kill, docker stop) cleans up like Ctrl-C: temp dirs removed, exit 130
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False)   # a typer.Exit comes back as its code
+        if code == EXIT_INTERRUPTED:        # typer turns a KeyboardInterrupt into Exit(130)
+            err.print("[yellow]interrupted: partial work removed")
         sys.exit(code if isinstance(code, int) else 0)
     except Exit as e:
         sys.exit(e.exit_code)

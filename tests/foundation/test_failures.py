@@ -272,3 +272,68 @@ def test_keys_and_payloads_do_not_depend_on_forge_home(tmp_path, monkeypatch):
         out.append((res[0].key, entry.meta["payload_digest"], (entry.payload / "source.json").read_text()))
     assert out[0] == out[1]
     assert "homeA" not in out[0][2] and json.loads(out[0][2])["spec"] == str(model)   # the recipe's own words
+
+
+def test_keep_going_after_a_stage_exception_writes_every_report(tmp_path, monkeypatch, capsys):
+    """forge build a b --keep-going: a's stage raises (not a ForgeError), b still builds; both reports and
+    summary.json are written and the exit code is 1."""
+    from pipeline import cli
+
+    class MaybeRaises(Produce):
+        def run(self, ctx):
+            if ctx.recipe.name == "a":
+                raise MemoryError("CUDA out of memory")
+            return super().run(ctx)
+
+    monkeypatch.setattr("pipeline.runner.flow_for", lambda target: [MaybeRaises(), Package()])
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.yaml").write_text(f"name: {name}\nquantize: {{method: none}}\n")
+    monkeypatch.setattr(sys, "argv", ["forge", "build", str(tmp_path / "a.yaml"), str(tmp_path / "b.yaml"),
+                                      "--keep-going", "--report-dir", str(tmp_path / "nightly")])
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    assert e.value.code == 1
+    assert "Traceback" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "nightly" / "summary.json").read_text()) == {"a": "failed", "b": "passed"}
+    a = json.loads((tmp_path / "nightly" / "a" / "report.json").read_text())
+    assert a["stages"][0]["error_type"] == "MemoryError" and "CUDA out of memory" in a["stages"][0]["message"]
+    assert Path(a["stages"][0]["log"]).is_file() and (tmp_path / "nightly" / "a" / "junit.xml").is_file()
+    assert json.loads((tmp_path / "nightly" / "b" / "report.json").read_text())["status"] == "passed"
+
+
+def test_sigterm_during_a_build_cleans_up_and_exits_130(tmp_path):
+    import signal
+    import time
+    mark = tmp_path / "started"
+    (tmp_path / "r.yaml").write_text("name: r\nquantize: {method: none}\n")
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(REPO)!r})
+from pathlib import Path
+from pipeline.stages.base import Stage
+
+class Slow(Stage):
+    name = "slow"
+    def run(self, ctx):
+        (ctx.out / "half.bin").write_bytes(b"x" * 1000)
+        Path({str(mark)!r}).write_text("go")
+        time.sleep(60)
+
+import pipeline.runner
+pipeline.runner.flow_for = lambda target: [Slow()]
+from pipeline import cli
+sys.argv = ["forge", "build", {str(tmp_path / "r.yaml")!r}, "--report-dir", {str(tmp_path / "out")!r}]
+cli.main()
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, FORGE_CACHE=str(tmp_path / "cache"), FORGE_PROGRESS="0"))
+    t0 = time.time()
+    while not mark.exists():
+        assert time.time() - t0 < 60 and p.poll() is None, p.communicate()
+        time.sleep(0.1)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert "interrupted" in err and "Traceback" not in err
+    assert not [x for x in (tmp_path / "cache" / "tmp").iterdir()]

@@ -305,7 +305,7 @@ def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e
             raise UsageError(str(e)) from None
     info = Runner(r).model_info()
     if info is None:
-        raise ForgeError(f"no model facts for {r.model.source}: set model.config to a bundled config or build the source stage")
+        raise UsageError(f"no model facts for {r.model.source}: set model.config to a bundled config or build the source stage")
     plan_, verdicts = plan_for_recipe(r, info, gpu)
     render_memory(plan_, verdicts, console)
 

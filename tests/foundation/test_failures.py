@@ -337,3 +337,25 @@ cli.main()
     assert p.returncode == 130, err
     assert "interrupted" in err and "Traceback" not in err
     assert not [x for x in (tmp_path / "cache" / "tmp").iterdir()]
+
+
+@pytest.mark.integration
+def test_builtin_source_under_two_forge_homes_gives_identical_keys_and_digests(tmp_path, monkeypatch):
+    """The default model (a builtin converted under FORGE_HOME/models) from two homes: the source stage's key
+    and payload digest agree, so every key downstream agrees and one cache serves both (issue 12)."""
+    from pipeline.env import forge_home
+    from pipeline.recipe import resolve
+    from pipeline.source import DEFAULT_SOURCE, resolve_source
+    from pipeline.stages.source import SourceStage
+    converted = resolve_source(DEFAULT_SOURCE, forge_home()).path      # converted once by conftest
+    got = []
+    for home in (tmp_path / "a", tmp_path / "deeper" / "b"):
+        (home / "models").mkdir(parents=True)
+        (home / "models" / converted.name).symlink_to(converted)   # as if converted there
+        monkeypatch.setenv("FORGE_HOME", str(home))
+        r = resolve("smollm2-135m-int8")
+        res = Runner(r, ArtifactCache(home / "artifacts"), home=home, stages=[SourceStage()]).build()
+        assert res[0].status == "built", res[0].message
+        meta = ArtifactCache(home / "artifacts").get(res[0].key).meta
+        got.append((res[0].key, meta["payload_digest"]))
+    assert got[0] == got[1]

@@ -46,7 +46,7 @@ def calibrates(q) -> bool:
 
 class ModeloptQuantize(Stage):
     name = "quantize"
-    version = "1"
+    version = "2"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest)
     needs = ("source",)
     tools = MODELOPT_TOOLS
     description = "ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved"

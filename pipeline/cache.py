@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from .env import cache_root
 from .hashing import sha256_json, tree_digest
@@ -40,6 +40,10 @@ def make_key(components: dict) -> str:
     return sha256_json(components)
 
 
+class BadEntry(Exception):
+    """An entry whose meta.json is missing, unreadable or not what forge writes."""
+
+
 @dataclass
 class Entry:
     key: str
@@ -51,7 +55,19 @@ class Entry:
 
     @property
     def meta(self) -> dict:
-        return json.loads((self.path / "meta.json").read_text())
+        return read_meta(self.path)
+
+
+def read_meta(entry_dir: Path) -> dict:
+    """An entry's meta.json as forge wrote it; BadEntry (never a JSON/OS error) for anything else."""
+    try:
+        meta = json.loads((entry_dir / "meta.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise BadEntry(f"meta.json unreadable ({type(e).__name__})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("payload_digest"), str) \
+            or not isinstance(meta.get("components", {}), dict) or not isinstance(meta.get("metrics", {}), dict):
+        raise BadEntry("meta.json is not a forge entry record")
+    return meta
 
 
 class ArtifactCache:
@@ -65,17 +81,25 @@ class ArtifactCache:
 
     # ------------------------------------------------------------ lookup
     def get(self, key: str, verify: bool = True, use_stat_cache: bool = True) -> Entry | None:
-        """The committed entry for ``key`` if present and intact; a corrupted one is quarantined."""
+        """The committed entry for ``key`` if present and intact; a corrupted one is quarantined.
+
+        ``use_stat_cache=False`` re-reads every byte: for what leaves the cache (packaging, serving), where a
+        change that kept size and mtime must still be caught.
+        """
         d = self._entry_dir(key)
-        meta_file = d / "meta.json"
-        if not meta_file.exists():
+        if not (d / "meta.json").exists():
             return None
         try:
-            meta = json.loads(meta_file.read_text())
-        except (OSError, json.JSONDecodeError):
-            self._quarantine(d, "unreadable meta.json")
+            meta = read_meta(d)
+        except BadEntry as e:
+            self._quarantine(d, str(e))
             return None
-        if verify and tree_digest(d / "payload", use_stat_cache) != meta.get("payload_digest"):
+        try:
+            ok = not verify or tree_digest(d / "payload", use_stat_cache) == meta["payload_digest"]
+        except OSError as e:
+            self._quarantine(d, f"payload unreadable: {e}")
+            return None
+        if not ok:
             self._quarantine(d, "payload digest mismatch")
             return None
         return Entry(key, d)
@@ -86,9 +110,8 @@ class ArtifactCache:
         if not (d / "meta.json").exists():
             return "miss"
         try:
-            meta = json.loads((d / "meta.json").read_text())
-            ok = tree_digest(d / "payload") == meta.get("payload_digest")
-        except (OSError, json.JSONDecodeError):
+            ok = tree_digest(d / "payload") == read_meta(d)["payload_digest"]
+        except (OSError, BadEntry):
             ok = False
         return "hit" if ok else "corrupt"
 
@@ -106,14 +129,55 @@ class ArtifactCache:
 
     @contextlib.contextmanager
     def writer(self, key: str) -> Iterator[Path]:
-        """Yield a fresh temp payload dir; on clean exit it is committed atomically, on error removed."""
+        """Yield a fresh temp payload dir to fill and :meth:`commit` inside the block; on error (or without a
+        commit) it is removed.
+
+        The dir's lock (``tmp/<name>.lock``) is held while it exists, so a later run can tell a dir whose
+        owner was killed (lock free: removed by :meth:`clean_stale_tmp`) from one being written now.
+        """
         tmp = self.root / "tmp" / f"{key[:16]}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        (tmp / "payload").mkdir(parents=True)
+        lock = FileLock(str(tmp) + ".lock")
+        lock.acquire()
         try:
-            yield tmp / "payload"
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            (tmp / "payload").mkdir(parents=True)
+            try:
+                yield tmp / "payload"
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            if tmp.exists():        # ended without commit(): nothing to keep
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            lock.release()
+            with contextlib.suppress(OSError):
+                os.unlink(str(tmp) + ".lock")
+
+    def clean_stale_tmp(self) -> int:
+        """Remove temp dirs whose writer is gone (its lock is free): a killed or SIGTERMed run's leftovers."""
+        removed = 0
+        tmp = self.root / "tmp"
+        try:
+            locks = [p for p in tmp.iterdir() if p.name.endswith(".lock")]
+        except OSError:
+            return 0
+        for lf in locks:
+            d = lf.with_name(lf.name[: -len(".lock")])
+            lock = FileLock(str(lf), timeout=0)
+            try:
+                lock.acquire()
+            except Timeout:
+                continue            # its writer is alive
+            except OSError:
+                continue
+            try:
+                if d.exists():
+                    shutil.rmtree(d, ignore_errors=True)
+                    removed += 1
+            finally:
+                lock.release()
+                with contextlib.suppress(OSError):
+                    os.unlink(lf)
+        return removed
 
     def commit(self, key: str, payload: Path, components: dict, metrics: dict | None = None) -> Entry:
         tmp = payload.parent
@@ -156,27 +220,53 @@ class ArtifactCache:
 
     # ------------------------------------------------------------ maintenance
     def entries(self) -> list[Entry]:
-        return [Entry(d.name, d) for d in sorted((self.root / "entries").glob("*/*")) if (d / "meta.json").exists()]
+        """Committed entries (a dir with a meta.json); anything else under entries/ is left to verify_all."""
+        out = []
+        for d in sorted((self.root / "entries").glob("*/*")):
+            with contextlib.suppress(OSError):
+                if d.is_dir() and (d / "meta.json").is_file():
+                    out.append(Entry(d.name, d))
+        return out
 
     def verify_all(self) -> list[tuple[str, str]]:
-        """Full re-hash of every entry (no stat cache); returns (key, problem) pairs."""
+        """Full re-hash of every entry (no stat cache); returns (key or path, problem) pairs. Never raises on
+        garbage: an unreadable meta.json, a missing payload or a stray file is a problem in the list."""
         bad = []
-        for e in self.entries():
+        for d in sorted((self.root / "entries").glob("*/*")):
+            name = d.name
             try:
-                if tree_digest(e.payload, use_stat_cache=False) != e.meta.get("payload_digest"):
-                    bad.append((e.key, "payload digest mismatch"))
-            except OSError as err:
-                bad.append((e.key, str(err)))
+                if not d.is_dir() or not (d / "meta.json").is_file():
+                    bad.append((name, "not an entry (no meta.json): left over or foreign; remove it"))
+                    continue
+                meta = read_meta(d)
+                if meta.get("key", name) != name:
+                    bad.append((name, f"meta.json names another key ({str(meta.get('key'))[:16]}...)"))
+                elif not (d / "payload").is_dir():
+                    bad.append((name, "payload missing"))
+                elif tree_digest(d / "payload", use_stat_cache=False) != meta["payload_digest"]:
+                    bad.append((name, "payload digest mismatch"))
+            except BadEntry as e:
+                bad.append((name, str(e)))
+            except OSError as e:
+                bad.append((name, f"unreadable: {e.strerror or e}"))
         return bad
 
     def gc(self, keep: set[str] | None = None, older_than_s: float = 3600) -> dict:
-        """Remove stale temp dirs (older than ``older_than_s``) and, if ``keep`` is given, entries not in it."""
-        removed_tmp = removed = 0
+        """Remove temp dirs of dead writers (at once) and other temp items older than ``older_than_s``, and,
+        if ``keep`` is given, entries not in it."""
+        removed_tmp = self.clean_stale_tmp()
+        removed = 0
         now = time.time()
-        for t in (self.root / "tmp").iterdir():
-            if now - t.stat().st_mtime > older_than_s:
-                shutil.rmtree(t, ignore_errors=True)
+        for t in sorted((self.root / "tmp").iterdir()):
+            try:
+                if t.name.endswith(".lock") or now - t.lstat().st_mtime <= older_than_s:
+                    continue
+                if t.with_name(t.name + ".lock").exists():
+                    continue        # a live writer's dir (a dead one's was removed above)
+                shutil.rmtree(t) if t.is_dir() and not t.is_symlink() else t.unlink()
                 removed_tmp += 1
+            except OSError:
+                continue
         if keep is not None:
             for e in self.entries():
                 if e.key not in keep:

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import ForgeError, RecipeError
+from .errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, ForgeError, RecipeError, UsageError,
+                     exit_code)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build validated inference engines and Triton model repositories from recipes.")
@@ -54,8 +55,8 @@ def recipes_list():
 @recipes_app.command("show")
 def recipes_show(name: str):
     """The recipe file as written (before extends/overrides)."""
-    from .recipe import recipe_path
-    console.print(recipe_path(name).read_text())
+    from .recipe import read_recipe_text, recipe_path
+    console.print(read_recipe_text(recipe_path(name)), markup=False, highlight=False, end="")
 
 
 @recipes_app.command("resolve")
@@ -134,32 +135,46 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
           keep_going: bool = typer.Option(False, "--keep-going", help="build the remaining recipes after a failure"),
           report_dir: Path = typer.Option(Path("out"), "--report-dir", help="where report.json/junit.xml go")):
     """Build recipes: run every stage that is not cached, then validate and package."""
-    from .report import build_report, overall_status, write_reports
+    from .report import (build_report, invalid_report, overall_status, report_dir_name, write_reports,
+                         write_summary)
     from .runner import Runner
-    statuses = {}
+    statuses: dict[str, str] = {}
+
+    def on_stage(res):
+        note = f" — {escape(res.message)}" if res.message else ""
+        log = f" (log: {escape(res.log)})" if res.log else ""
+        err.print(f"  {res.name}: {res.status}{note}{log}")
+
     for name in recipes:
         t0 = time.perf_counter()
+        shown = name if len(name) <= 80 else name[:77] + "..."
         try:
             r = _resolve(name, set_)
-            runner = Runner(r)
+            runner = Runner(r, log_dir=report_dir / r.name / "logs")
+            runner.check_stage_args(from_, until, set(force or []))
             err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {runner.cache.root})")
-            results = runner.build(from_stage=from_, until=until, force=set(force or []),
-                                   on_stage=lambda res: err.print(f"  {res.name}: {res.status}"
-                                                                  f"{' — ' + escape(res.message) if res.message else ''}"))
-        except (RecipeError, ForgeError) as e:
-            err.print(f"[red]{name}:[/] {escape(str(e))}")
-            statuses[name] = "failed"
+            results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
+        except UsageError as e:
+            err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
+            statuses[shown] = "invalid"
+            _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
+            if not keep_going:
+                break
+            continue
+        except ForgeError as e:         # a problem outside any stage (e.g. the cache location is unusable)
+            err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
+            statuses[shown] = "failed"
             if not keep_going:
                 break
             continue
         report = build_report(r, results, time.perf_counter() - t0)
         out = report_dir / r.name
-        write_reports(report, out, console)
+        _write_safely(lambda: write_reports(report, out, console))
         by_name = {x.name: x for x in results}
         if "build" in by_name:
-            _link(out / "engine", by_name["build"].payload)
+            _write_safely(lambda: _link(out / "engine", by_name["build"].payload))
         if "package" in by_name:
-            _link(out / "triton_repo", by_name["package"].payload)
+            _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
         statuses[r.name] = overall_status(results)
         for x in results:
             if x.status == "cannot-run-here":
@@ -168,27 +183,40 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
         if statuses[r.name] == "failed" and not keep_going:
             break
     if len(recipes) > 1:
-        (report_dir).mkdir(parents=True, exist_ok=True)
-        (report_dir / "summary.json").write_text(json.dumps(statuses, indent=2))
+        _write_safely(lambda: write_summary(statuses, report_dir))
         t = Table("recipe", "status", title="nightly summary")
         for k, v in statuses.items():
-            t.add_row(k, v)
+            t.add_row(escape(k), v)
         console.print(t)
-    worst = "failed" if "failed" in statuses.values() else ("incomplete" if "incomplete" in statuses.values() else "passed")
-    raise typer.Exit({"passed": 0, "failed": 1, "incomplete": 3}[worst])
+    raise typer.Exit(exit_code(statuses.values()))
+
+
+def _write_safely(write) -> None:
+    """Reports are written whatever happened; a report that cannot be written (full disk) is said, not raised."""
+    try:
+        write()
+    except OSError as e:
+        err.print(f"[red]could not write a report:[/] {escape(str(e))}")
 
 
 # ------------------------------------------------------------------ cache
 @cache_app.command("ls")
 def cache_ls():
     """Entries in the artifact cache."""
-    from .cache import ArtifactCache
+    from .cache import ArtifactCache, BadEntry
     c = ArtifactCache()
     t = Table("key", "stage", "created", "MB", title=str(c.root))
     for e in c.entries():
-        m = e.meta
-        size = sum(p.stat().st_size for p in e.payload.rglob("*") if p.is_file()) / 2**20
-        t.add_row(e.key[:16], m["components"].get("stage", "?"), m.get("created", ""), f"{size:.1f}")
+        try:
+            m = e.meta
+            stage, created = str(m.get("components", {}).get("stage", "?")), str(m.get("created", ""))
+        except BadEntry as why:
+            stage, created = f"[red]{why}", ""
+        try:
+            size = f"{sum(p.stat().st_size for p in e.payload.rglob('*') if p.is_file()) / 2**20:.1f}"
+        except OSError:
+            size = "?"
+        t.add_row(e.key[:16], stage, escape(created), size)
     console.print(t)
 
 
@@ -198,22 +226,31 @@ def cache_verify():
     from .cache import ArtifactCache
     bad = ArtifactCache().verify_all()
     for k, why in bad:
-        err.print(f"[red]{k}: {why}")
+        err.print(f"[red]{escape(k)}: {escape(why)}")
     console.print(f"{len(bad)} corrupt entr{'y' if len(bad) == 1 else 'ies'}")
-    raise typer.Exit(1 if bad else 0)
+    raise typer.Exit(EXIT_FAILED if bad else 0)
 
 
 @cache_app.command("gc")
 def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", help="keep only entries of these recipes' last builds")):
-    """Remove stale temp dirs; with --keep, also entries no listed recipe's last build uses."""
+    """Remove temp dirs of dead runs; with --keep, also entries no listed recipe's last build uses."""
     from .cache import ArtifactCache
     c = ArtifactCache()
     keep = None
     if keep_recipes:
         keep = set()
         for name in keep_recipes:
-            for f in (c.root / "index" / name).glob("*.json"):
-                keep.add(json.loads(f.read_text())["key"])
+            index = c.root / "index" / name
+            files = sorted(index.glob("*.json")) if "/" not in name and index.is_dir() else []
+            if not files:
+                known = sorted(p.name for p in (c.root / "index").iterdir() if p.is_dir())
+                raise UsageError(f"--keep {name}: no build of that recipe is recorded in {c.root} (nothing would be "
+                                 f"kept for it); recipes with builds: {', '.join(known) or 'none'}")
+            for f in files:
+                try:
+                    keep.add(str(json.loads(f.read_text())["key"]))
+                except (OSError, ValueError, KeyError, TypeError):
+                    err.print(f"[yellow]skipping unreadable index record {escape(str(f))}")
     console.print(c.gc(keep))
 
 
@@ -223,7 +260,12 @@ def data_fetch(sets: Optional[List[str]] = typer.Argument(None), force: bool = t
     """Fetch and verify data sets (all by default) from their registries."""
     from . import data as datasets
     from .env import forge_home
-    for s in sets or list(datasets.available_sets()):
+    known = list(datasets.available_sets())
+    unknown = [s for s in sets or [] if s not in known]
+    if unknown:
+        raise UsageError(f"unknown data set(s) {', '.join(map(repr, unknown))}; known: {', '.join(known)} "
+                         "(`forge data list`)")
+    for s in sets or known:
         paths = datasets.fetch(s, forge_home(), force=force)
         for split, p in paths.items():
             console.print(f"{s}/{split}: {p}")
@@ -252,12 +294,18 @@ def doctor(as_json: bool = typer.Option(False, "--json")):
 def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e.g. rtx4090, l40s, a100-80gb, h100, h200"),
            set_: Optional[List[str]] = SetOpt):
     """GPU memory plan per TP rank for a recipe and whether it fits."""
+    from .gpus import get_gpu
     from .memory import plan_for_recipe, render_memory
     from .runner import Runner
     r = _resolve(recipe, set_)
+    if gpu is not None:
+        try:
+            get_gpu(gpu)
+        except ForgeError as e:
+            raise UsageError(str(e)) from None
     info = Runner(r).model_info()
     if info is None:
-        raise ForgeError(f"no model facts for {r.model.source}: set model.config to a bundled config or build the source stage")
+        raise UsageError(f"no model facts for {r.model.source}: set model.config to a bundled config or build the source stage")
     plan_, verdicts = plan_for_recipe(r, info, gpu)
     render_memory(plan_, verdicts, console)
 
@@ -266,12 +314,15 @@ def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e
 @app.command("verify-deploy")
 def verify_deploy(repo: Path):
     """Check a packaged repository's manifest against this environment (TensorRT/TRT-LLM versions, GPU SM)."""
-    from .triton.manifest import verify_deploy as check
+    from .triton.manifest import MANIFEST, verify_deploy as check
+    if not (repo / MANIFEST).is_file():
+        raise UsageError(f"{repo}: no {MANIFEST} here; give the directory of a packaged repository "
+                         f"(out/RECIPE/triton_repo after `forge build RECIPE`)")
     problems = check(repo)
     if problems:
         for p in problems:
             err.print(f"[red]-[/] {escape(p)}")
-        raise typer.Exit(1)
+        raise typer.Exit(EXIT_FAILED)
     console.print(f"[green]{repo}: manifest matches this environment")
 
 
@@ -288,9 +339,13 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
     # non-interactive parent shell, so install the handler explicitly).
     signal.signal(signal.SIGINT, _stop)
     signal.signal(signal.SIGTERM, _stop)
+    if not 1 <= port <= 65533:
+        raise UsageError(f"--port {port}: must be in 1..65533 (the server also takes port+1 and port+2)")
     repo = Path(recipe_or_repo)
     if not (repo.is_dir() and any(repo.glob("*/config.pbtxt"))):
         repo = _package_of(recipe_or_repo, set_)
+    else:
+        _check_repo_files(repo)
     try:
         with TritonServer(repo, http_port=port, grpc_port=port + 1, metrics_port=port + 2) as srv:
             console.print(f"serving {repo}\n  HTTP    {srv.url}\n  gRPC    {srv.grpc_url}\n  metrics "
@@ -312,29 +367,70 @@ def _package_of(recipe: str, set_) -> Path:
     if p is None or p.status != "hit":
         raise ForgeError(f"recipe {r.name} has no packaged repository in the cache: run `forge build {r.name}` first")
     from .cache import ArtifactCache
-    return ArtifactCache().get(p.key, verify=False).payload
+    entry = ArtifactCache().get(p.key, verify=True, use_stat_cache=False)   # every byte: it leaves the cache
+    if entry is None:
+        raise ForgeError(f"the packaged repository of {r.name} changed on disk since it was built (set aside in the "
+                         f"cache's tmp/): rebuild it with `forge build {r.name}`")
+    return entry.payload
+
+
+def _check_repo_files(repo: Path) -> None:
+    """A repository with a manifest is served only while every file matches it (full digests)."""
+    from .triton.manifest import MANIFEST, file_problems, read_manifest
+    if not (repo / MANIFEST).is_file():
+        return                      # not packaged by forge: served as given
+    problems = file_problems(repo, read_manifest(repo))
+    if problems:
+        raise ForgeError(f"{repo} does not match its {MANIFEST}; not serving it:\n" + "\n".join(f"- {p}" for p in problems))
+
+
+@app.callback()
+def _options(debug: bool = typer.Option(False, "--debug", help="show the traceback of an unexpected error")):
+    """Global options."""
+    global DEBUG
+    DEBUG = DEBUG or debug
+
+
+DEBUG = os.environ.get("FORGE_DEBUG", "") not in ("", "0")
 
 
 def main():
+    import signal
     from typer.exceptions import Abort, Exit, TyperException
+
+    def _terminate(signum, frame):
+        raise KeyboardInterrupt     # SIGTERM (kill, docker stop) cleans up like Ctrl-C: temp dirs removed, exit 130
+    signal.signal(signal.SIGTERM, _terminate)
     try:
-        code = app(standalone_mode=False)
+        code = app(standalone_mode=False)   # a typer.Exit comes back as its code
+        if code == EXIT_INTERRUPTED:        # typer turns a KeyboardInterrupt into Exit(130)
+            err.print("[yellow]interrupted: partial work removed")
         sys.exit(code if isinstance(code, int) else 0)
     except Exit as e:
         sys.exit(e.exit_code)
     except (Abort, KeyboardInterrupt):
         err.print("[yellow]interrupted: partial work removed")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except RecipeError as e:
         err.print(f"[red]recipe error{'s' if len(e.problems) > 1 else ''}:[/]\n{escape(str(e))}")
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    except UsageError as e:
+        err.print(f"[red]error:[/] {escape(str(e))}")
+        sys.exit(EXIT_BAD_INPUT)
     except ForgeError as e:
         err.print(f"[red]error:[/] {escape(str(e))}")
-        sys.exit(1)
-    except TyperException as e:
+        sys.exit(EXIT_FAILED)
+    except TyperException as e:     # bad command-line syntax: click's own message
         show = getattr(e, "show", None)
-        show() if show else err.print(f"[red]{e.format_message()}")
-        sys.exit(getattr(e, "exit_code", 2))
+        show() if show else err.print(f"[red]{escape(str(e))}")
+        sys.exit(getattr(e, "exit_code", EXIT_BAD_INPUT))
+    except Exception as e:          # a bug: one line, the traceback only with --debug
+        if DEBUG:
+            import traceback
+            traceback.print_exc()
+        err.print(f"[red]unexpected error:[/] {escape(type(e).__name__)}: {escape(str(e)[:2000])}\n"
+                  "This is a bug in forge; re-run with --debug for the traceback and report it.")
+        sys.exit(EXIT_FAILED)
 
 
 if __name__ == "__main__":

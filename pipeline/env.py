@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,3 +51,14 @@ def cpu_flags() -> frozenset[str]:
     """CPU feature flags as the kernel reports them (x86 ``flags``, Arm ``Features``)."""
     info = _cpuinfo()
     return frozenset((info.get("flags") or info.get("Features") or "").split())
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free space for an unprivileged writer on the file system holding ``path`` (its nearest existing parent)."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return None

@@ -1,18 +1,34 @@
-"""Error types the CLI shows as plain messages (no traceback)."""
+"""Error types the CLI shows as plain messages (no traceback), and the one map from outcome to exit code."""
 
 from __future__ import annotations
+
+# Exit codes of every forge command (README "Exit codes").
+EXIT_OK = 0
+EXIT_FAILED = 1          # a stage failed, a check found a problem
+EXIT_BAD_INPUT = 2       # bad recipe, override, name or argument
+EXIT_INCOMPLETE = 3      # a stage cannot run on this machine
+EXIT_INTERRUPTED = 130   # Ctrl-C / SIGTERM; partial work removed
+
+MAX_PROBLEMS_SHOWN = 50  # a recipe with thousands of mistakes is reported by its first ones
 
 
 class ForgeError(Exception):
     """A problem the user can fix; the message says what and how."""
 
 
-class RecipeError(ForgeError):
-    """One or more problems in a recipe; all are reported at once."""
+class UsageError(ForgeError):
+    """Bad input: a recipe, an override, a name or a command-line argument (exit 2)."""
+
+
+class RecipeError(UsageError):
+    """One or more problems in a recipe; all are reported at once (the first MAX_PROBLEMS_SHOWN of them)."""
 
     def __init__(self, problems: list[str]):
         self.problems = list(problems)
-        super().__init__("\n".join(f"- {p}" for p in self.problems))
+        shown = [f"- {p}" for p in self.problems[:MAX_PROBLEMS_SHOWN]]
+        if len(self.problems) > MAX_PROBLEMS_SHOWN:
+            shown.append(f"- ... and {len(self.problems) - MAX_PROBLEMS_SHOWN} more problems not shown")
+        super().__init__("\n".join(shown))
 
 
 class StageFailed(ForgeError):
@@ -33,3 +49,12 @@ class CannotRunHere(ForgeError):
         if finish_hint:
             msg += f"; finish on a machine that has it with: {finish_hint}"
         super().__init__(msg)
+
+
+# A run's overall outcome -> exit code; with several recipes the first of these that any recipe has wins.
+EXIT_BY_OUTCOME = {"invalid": EXIT_BAD_INPUT, "failed": EXIT_FAILED, "incomplete": EXIT_INCOMPLETE, "passed": EXIT_OK}
+
+
+def exit_code(outcomes) -> int:
+    seen = set(outcomes)
+    return next((code for outcome, code in EXIT_BY_OUTCOME.items() if outcome in seen), EXIT_OK)

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .errors import ForgeError
+
 BUNDLED = Path(__file__).parent / "model_configs"
 
 
@@ -68,7 +70,17 @@ class ModelInfo:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "ModelInfo":
-        return cls.from_hf_config(json.loads((Path(path) / "config.json").read_text()))
+        f = Path(path) / "config.json"
+        try:
+            cfg = json.loads(f.read_text())
+            if not isinstance(cfg, dict):
+                raise TypeError("not a JSON object")
+            return cls.from_hf_config(cfg)
+        except KeyError as e:
+            raise ForgeError(f"{f}: a Hugging Face causal-LM config needs {e.args[0]!r}; is this the model's "
+                             "config.json?") from None
+        except (OSError, UnicodeDecodeError, ValueError, TypeError, RecursionError) as e:
+            raise ForgeError(f"{f}: not a readable Hugging Face config ({type(e).__name__}: {e})") from None
 
     @classmethod
     def bundled(cls, name: str) -> "ModelInfo | None":

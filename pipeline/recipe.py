@@ -8,45 +8,60 @@ from __future__ import annotations
 
 import copy
 import difflib
+import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
-from .errors import RecipeError
+from .errors import MAX_PROBLEMS_SHOWN, RecipeError
 from .hashing import sha256_json
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = "smollm2-135m-int8"
+MAX_NAME_CHARS = 128
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+NAME_RULE = "letters, digits, '.', '-' and '_', starting with a letter or digit"
+
+
+# Upper bounds on counts: a typo like 10^40 samples is an error at resolve time, not an hour of work.
+MAX_SAMPLES = 4096
+MAX_SEQ_LEN = 131072
+MAX_BATCH = 4096
+MAX_SEED = 2**32 - 1          # numpy's seed range
+MAX_THREADS = 1024
+MAX_GPUS = 64
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # NaN/inf are never meaningful in a recipe (a NaN threshold passes or fails every gate silently)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 # ---------------------------------------------------------------- model / data
 class ModelSection(Section):
-    source: str = Field("builtin:smollm2-135m-instruct",
+    source: str = Field("builtin:smollm2-135m-instruct", min_length=1, max_length=4096,
                         description="builtin:<name>, a local HF directory, or a hub id found in the local HF cache")
-    config: Optional[str] = Field(None, description="bundled public config used for plan-time checks before weights exist")
+    config: Optional[str] = Field(None, min_length=1, max_length=512,
+                                  description="bundled public config used for plan-time checks before weights exist")
 
 
 class TextSet(Section):
     set: str = Field(description="a set from calibration_data/manifest.yaml")
     split: str
-    samples: int = Field(gt=0)
-    seq_len: int = Field(gt=1)
-    seed: int = 0
+    samples: int = Field(gt=0, le=MAX_SAMPLES)
+    seq_len: int = Field(gt=1, le=MAX_SEQ_LEN)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 class CalibrationSection(Section):
     set: str = "sotu"
     split: str = "calib"
-    samples: int = Field(32, gt=0)
-    seq_len: int = Field(256, gt=1)
-    batch: int = Field(4, gt=0)
-    seed: int = 0
+    samples: int = Field(32, gt=0, le=MAX_SAMPLES)
+    seq_len: int = Field(256, gt=1, le=MAX_SEQ_LEN)
+    batch: int = Field(4, gt=0, le=MAX_BATCH)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
 # ---------------------------------------------------------------- export
@@ -64,7 +79,7 @@ class ExportSection(Section):
 # ---------------------------------------------------------------- quantize
 class DistillSection(Section):
     enabled: bool = False
-    temperature: float = Field(2.0, gt=0)
+    temperature: float = Field(2.0, gt=0, le=100)
     alpha: float = Field(1.0, ge=0, le=1, description="weight of the KL term vs the LM loss")
 
 
@@ -72,11 +87,11 @@ class QatSection(Section):
     epochs: int = Field(1, ge=1, le=3)
     lr: float = Field(1e-5, gt=0, lt=1)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0)
-    batch: int = Field(4, gt=0)
-    samples: int = Field(64, gt=0)
-    seq_len: int = Field(256, gt=1)
-    seed: int = 0
+    warmup_steps: int = Field(0, ge=0, le=10**6)
+    batch: int = Field(4, gt=0, le=MAX_BATCH)
+    samples: int = Field(64, gt=0, le=100000)
+    seq_len: int = Field(256, gt=1, le=MAX_SEQ_LEN)
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     set: str = "sotu"
     split: str = "train"
     distill: DistillSection = Field(default_factory=DistillSection)
@@ -89,7 +104,7 @@ class QuantizeSection(Section):
     method: Literal["ptq", "qat", "none"] = "ptq"
     algo: QuantAlgo = "none"
     alpha: Optional[float] = Field(None, ge=0, le=1, description="SmoothQuant migration strength")
-    block_size: Optional[int] = Field(None, gt=0, description="group size for int4 (AWQ / weight-only)")
+    block_size: Optional[int] = Field(None, gt=0, le=65536, description="group size for int4 (AWQ / weight-only)")
     kv_cache: Literal["none", "int8", "fp8"] = "none"
     options: dict[str, Any] = Field(default_factory=dict, description="target-specific quantizer options")
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
@@ -99,21 +114,22 @@ class QuantizeSection(Section):
 # ---------------------------------------------------------------- build
 class OrtBuild(Section):
     opt_level: Literal["disable", "basic", "extended", "all"] = "extended"
-    intra_op_threads: int = Field(0, ge=0, description="0 = ONNX Runtime's default (all cores)")
+    intra_op_threads: int = Field(0, ge=0, le=MAX_THREADS, description="0 = ONNX Runtime's default (all cores)")
 
 
 class TrtllmBuild(Section):
     dtype: Literal["float16", "bfloat16"] = "float16"
-    tp: int = Field(1, ge=1)
-    pp: int = Field(1, ge=1)
-    gpu_sm: Optional[int] = Field(None, description="compute capability the engine targets, e.g. 90; detected when a GPU is present")
-    max_batch_size: int = Field(8, ge=1)
-    max_input_len: int = Field(1024, ge=1)
-    max_seq_len: int = Field(2048, ge=1)
-    max_num_tokens: int = Field(8192, ge=1)
-    max_beam_width: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1, le=MAX_GPUS)
+    pp: int = Field(1, ge=1, le=MAX_GPUS)
+    gpu_sm: Optional[int] = Field(None, ge=30, le=200,
+                                  description="compute capability the engine targets, e.g. 90; detected when a GPU is present")
+    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH)
+    max_input_len: int = Field(1024, ge=1, le=MAX_SEQ_LEN)
+    max_seq_len: int = Field(2048, ge=1, le=MAX_SEQ_LEN)
+    max_num_tokens: int = Field(8192, ge=1, le=2**20)
+    max_beam_width: int = Field(1, ge=1, le=64)
     kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
-    tokens_per_block: int = Field(32, ge=1)
+    tokens_per_block: int = Field(32, ge=1, le=1024)
     gemm_plugin: str = "auto"
     gpt_attention_plugin: str = "auto"
     context_fmha: bool = True
@@ -123,7 +139,7 @@ class TrtllmBuild(Section):
     reduce_fusion: bool = False
     user_buffer: bool = False
     multiple_profiles: bool = False
-    workers: int = Field(1, ge=1)
+    workers: int = Field(1, ge=1, le=MAX_GPUS)
     gather_context_logits: bool = Field(True, description="engine returns context logits: needed by validate's perplexity/top-1 "
                                         "(costs max_num_tokens x vocab x 2 bytes of GPU memory with logits_dtype float16, "
                                         "x 4 with float32); TensorRT-LLM turns KV-cache reuse off for such an engine")
@@ -136,9 +152,9 @@ class TrtllmBuild(Section):
 
 class TensorrtBuild(Section):
     precision: Literal["fp32", "fp16", "int8", "fp8"] = "fp16"
-    workspace_gib: float = Field(4.0, gt=0)
-    max_batch_size: int = Field(4, ge=1)
-    max_seq_len: int = Field(1024, ge=1)
+    workspace_gib: float = Field(4.0, gt=0, le=1024)
+    max_batch_size: int = Field(4, ge=1, le=MAX_BATCH)
+    max_seq_len: int = Field(1024, ge=1, le=MAX_SEQ_LEN)
 
 
 class BuildSection(Section):
@@ -150,7 +166,7 @@ class BuildSection(Section):
 
 # ---------------------------------------------------------------- validate
 class Thresholds(Section):
-    ppl_delta_pct_max: float = Field(5.0, description="max perplexity increase vs FP32, in %")
+    ppl_delta_pct_max: float = Field(5.0, ge=0, description="max perplexity increase vs FP32, in %")
     top1_agreement_min: float = Field(0.85, ge=0, le=1)
     logits_cosine_min: Optional[float] = Field(None, ge=-1, le=1)
     logits_max_abs_max: Optional[float] = Field(None, gt=0)
@@ -161,30 +177,31 @@ class Thresholds(Section):
 
 
 class PromptsSection(Section):
-    max_new_tokens: int = Field(24, ge=1)
-    limit: Optional[int] = Field(None, ge=1, description="use only the first N prompts")
+    max_new_tokens: int = Field(24, ge=1, le=4096)
+    limit: Optional[int] = Field(None, ge=1, le=10000, description="use only the first N prompts")
 
 
 class ValidateSection(Section):
-    eval: list[TextSet] = Field(default_factory=lambda: [TextSet(set="wiki", split="eval", samples=8, seq_len=256)])
+    eval: list[TextSet] = Field(default_factory=lambda: [TextSet(set="wiki", split="eval", samples=8, seq_len=256)],
+                                min_length=1, max_length=16, description="held-out text sets; at least one")
     prompts: PromptsSection = Field(default_factory=PromptsSection)
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
 
 # ---------------------------------------------------------------- package
 class TritonSection(Section):
-    max_batch_size: int = Field(8, ge=1)
+    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH)
     decoupled: bool = False
-    instance_count: int = Field(1, ge=1)
-    max_queue_delay_microseconds: int = Field(0, ge=0)
+    instance_count: int = Field(1, ge=1, le=256)
+    max_queue_delay_microseconds: int = Field(0, ge=0, le=60_000_000)
     kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, lt=1, description="fraction of free GPU memory for the paged "
                                                   "KV cache; TensorRT-LLM's executor requires 0 < f < 1")
     enable_kv_cache_reuse: bool = False
-    max_beam_width: Optional[int] = Field(None, ge=1, description="defaults to the engine's")
+    max_beam_width: Optional[int] = Field(None, ge=1, le=64, description="defaults to the engine's")
     batch_scheduler_policy: Literal["guaranteed_no_evict", "max_utilization"] = "guaranteed_no_evict"
     cuda_graph_mode: bool = False
-    gpu_device_ids: Optional[list[int]] = None
-    default_max_tokens: int = Field(64, ge=1)
+    gpu_device_ids: Optional[list[Annotated[int, Field(ge=0, lt=MAX_GPUS)]]] = Field(None, max_length=MAX_GPUS)
+    default_max_tokens: int = Field(64, ge=1, le=MAX_SEQ_LEN)
 
 
 class PackageSection(Section):
@@ -192,8 +209,9 @@ class PackageSection(Section):
 
 
 class Recipe(Section):
-    name: str
-    description: str = ""
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="names the report directory and the cache index: " + NAME_RULE)
+    description: str = Field("", max_length=4000)
     model: ModelSection = Field(default_factory=ModelSection)
     export: ExportSection = Field(default_factory=ExportSection)
     quantize: QuantizeSection = Field(default_factory=QuantizeSection)
@@ -201,7 +219,7 @@ class Recipe(Section):
     validate_: ValidateSection = Field(default_factory=ValidateSection, alias="validate")
     package: PackageSection = Field(default_factory=PackageSection)
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
     _path: str = PrivateAttr("")      # the file it came from, for error messages
 
     @property
@@ -217,6 +235,13 @@ class Recipe(Section):
 
 
 # ---------------------------------------------------------------- loading
+# A recipe is a few hundred bytes; these bounds keep a hostile or broken file from taking minutes or memory.
+MAX_RECIPE_BYTES = 256 * 1024
+MAX_RECIPE_VALUES = 5000          # mappings + sequences + scalars, after expanding YAML aliases
+MAX_RECIPE_DEPTH = 16             # the schema is 5 levels deep
+MAX_KEY_PARTS = 16                # --set a.b.c...
+
+
 def deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
@@ -228,35 +253,160 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def list_recipes(recipes_dir: Path = RECIPES_DIR) -> list[str]:
-    return sorted(p.stem for p in recipes_dir.glob("*.yaml"))
+    return sorted(p.stem for p in recipes_dir.glob("*.yaml") if p.is_file())
 
 
-def recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR) -> Path:
-    p = Path(name_or_path)
-    if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.exists():
-            raise RecipeError([f"{p}: no such recipe file"])
-        return p
-    p = recipes_dir / f"{name_or_path}.yaml"
-    if not p.exists():
-        names = list_recipes(recipes_dir)
-        close = difflib.get_close_matches(name_or_path, names, n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise RecipeError([f"no recipe named '{name_or_path}' in {recipes_dir}{hint} (available: {', '.join(names)})"])
+def _short(text: str, n: int = 60) -> str:
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+
+
+def _is_path(spec: str) -> bool:
+    """A recipe given as a file (ends in .yaml/.yml or names a directory part); anything else is a name."""
+    return spec.endswith((".yaml", ".yml")) or "/" in spec or "\\" in spec
+
+
+def _check_file(p: Path, shown: str) -> Path:
+    try:
+        if p.is_dir():
+            raise RecipeError([f"{shown}: is a directory, not a recipe file; give a .yaml file or a recipe name "
+                               f"(`forge recipes list`)"])
+        if not p.is_file():
+            raise RecipeError([f"{shown}: no such recipe file"])
+    except OSError as e:            # e.g. a name too long for the file system
+        raise RecipeError([f"{_short(shown)}: cannot be opened as a recipe file ({e.strerror or e})"]) from None
     return p
 
 
-def _read_yaml(path: Path) -> dict:
+def recipe_path(name_or_path: str, recipes_dir: Path = RECIPES_DIR, relative_to: Path | None = None) -> Path:
+    """The file of a recipe: a path (``x.yaml``, ``dir/x.yaml``) as given, or a name looked up in ``recipes_dir``.
+
+    A name never leaves ``recipes_dir`` (no ``/``, no ``..``); files elsewhere are given as paths.
+    ``relative_to`` anchors relative paths (an ``extends:`` is relative to the file that says it).
+    """
+    spec = str(name_or_path)
+    if not spec.strip():
+        raise RecipeError(["a recipe name or path is required, got an empty string"])
+    if _is_path(spec):
+        p = Path(spec).expanduser()
+        if relative_to is not None and not p.is_absolute():
+            p = relative_to / p
+        return _check_file(p, spec)
+    if len(spec) > MAX_NAME_CHARS or not NAME_RE.match(spec):
+        raise RecipeError([f"recipe name {_short(spec)!r} is not valid: a name is at most {MAX_NAME_CHARS} "
+                           f"{NAME_RULE} (a file elsewhere is given as a path ending in .yaml)"])
+    p = recipes_dir / f"{spec}.yaml"
+    if not p.exists():
+        names = list_recipes(recipes_dir)
+        close = difflib.get_close_matches(spec, names, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise RecipeError([f"no recipe named '{spec}' in {recipes_dir}{hint} (available: {', '.join(names)})"])
+    return _check_file(p, str(p))
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader; the document is checked (size, depth, duplicate keys) before it is constructed."""
+
+
+def _node_problems(root: yaml.Node, path: Path) -> list[str]:
+    """Duplicate keys (any level), nesting depth and size (aliases expanded) of a composed YAML document."""
+    problems: list[str] = []
+    sizes: dict[int, int] = {}
+    # iterative post-order walk: a deeply nested or alias-heavy file cannot exhaust the stack or the clock
+    stack: list[tuple[yaml.Node, str, int, bool]] = [(root, "", 0, False)]
+    while stack:
+        node, where, depth, done = stack.pop()
+        if depth > MAX_RECIPE_DEPTH:
+            return [f"{path}: nested more than {MAX_RECIPE_DEPTH} levels deep at '{where}'; a recipe is a few "
+                    "levels of sections (see recipes/*.yaml)"]
+        if isinstance(node, yaml.ScalarNode):
+            sizes[id(node)] = 1
+            continue
+        if isinstance(node, yaml.MappingNode):
+            children = [(v, f"{where}.{k.value}" if where else str(k.value)) for k, v in node.value]
+        else:
+            children = [(v, f"{where}.{i}" if where else str(i)) for i, v in enumerate(node.value)]
+        if done:
+            sizes[id(node)] = 1 + sum(sizes.get(id(c), 1) for c, _ in children)
+            continue
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            first: dict[str, int] = {}
+            for k, _ in node.value:
+                if isinstance(k, yaml.ScalarNode) and k.value != "<<":
+                    key = f"{where}.{k.value}" if where else str(k.value)
+                    if k.value in first:
+                        problems.append(f"{path}: duplicate key '{key}' at line {k.start_mark.line + 1} (first at "
+                                        f"line {first[k.value]}); YAML keeps only the last, remove one")
+                    else:
+                        first[k.value] = k.start_mark.line + 1
+        stack.append((node, where, depth, True))
+        stack.extend((c, w, depth + 1, False) for c, w in children if id(c) not in sizes)
+    if sizes.get(id(root), 0) > MAX_RECIPE_VALUES:
+        problems.append(f"{path}: {sizes[id(root)]} values (aliases expanded); a recipe has at most "
+                        f"{MAX_RECIPE_VALUES}")
+    return problems
+
+
+def _yaml_error(e: yaml.YAMLError, where: str) -> str:
+    mark = getattr(e, "problem_mark", None)
+    at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{where}: YAML syntax error{at}: {getattr(e, 'problem', None) or e}"
+
+
+def parse_yaml(text: str, where: str):
+    """One YAML document, checked for duplicate keys, depth and size; RecipeError names ``where``."""
+    loader = _Loader(text)
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.MarkedYAMLError as e:
-        mark = e.problem_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
-        raise RecipeError([f"{path}: YAML syntax error at {where}: {e.problem}"]) from None
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        problems = _node_problems(node, where)
+        if problems:
+            raise RecipeError(problems)
+        return loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise RecipeError([f"{path}: YAML error: {e}"]) from None
+        raise RecipeError([_yaml_error(e, where)]) from None
+    except RecursionError:
+        raise RecipeError([f"{where}: nested too deeply to read; a recipe is a few levels of sections"]) from None
+    finally:
+        loader.dispose()
+
+
+def read_recipe_text(path: Path) -> str:
+    """The text of a recipe file: at most MAX_RECIPE_BYTES of UTF-8 (RecipeError names the file otherwise)."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECIPE_BYTES:
+            raise RecipeError([f"{path}: {size} bytes; a recipe file is at most {MAX_RECIPE_BYTES // 1024} KiB "
+                               "(is this the right file?)"])
+        raw = path.read_bytes()
+    except OSError as e:
+        raise RecipeError([f"{path}: cannot be read ({e.strerror or e})"]) from None
+    if b"\0" in raw:
+        raise RecipeError([f"{path}: a binary file, not a YAML recipe"])
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError([f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+                           "save the recipe as UTF-8"]) from None
+    return text
+
+
+def _read_yaml(path: Path) -> dict:
+    text = read_recipe_text(path)
+    if not text.strip() or all(not ln.strip() or ln.lstrip().startswith("#") for ln in text.splitlines()):
+        raise RecipeError([f"{path}: empty recipe file; a recipe sets at least one section "
+                           "(see recipes/smollm2-135m-int8.yaml)"])
+    data = parse_yaml(text, str(path))
+    if data is None:
+        raise RecipeError([f"{path}: empty recipe file; a recipe sets at least one section "
+                           "(see recipes/smollm2-135m-int8.yaml)"])
     if not isinstance(data, dict):
         raise RecipeError([f"{path}: a recipe must be a mapping of sections, got {type(data).__name__}"])
+    bad = [k for k in data if not isinstance(k, str)]
+    if bad:
+        raise RecipeError([f"{path}: section names must be text, got {bad[0]!r}"])
     return data
 
 
@@ -265,21 +415,37 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
     if path in seen:
         chain = " -> ".join(p.name for p in (*seen, path))
         raise RecipeError([f"{path}: 'extends' forms a cycle: {chain}"])
+    if len(seen) >= MAX_RECIPE_DEPTH:
+        raise RecipeError([f"{path}: more than {MAX_RECIPE_DEPTH} levels of 'extends'"])
     data = _read_yaml(path)
-    parent = data.pop("extends", None)
-    if parent is None:
+    if "extends" not in data:
         return data
-    if not isinstance(parent, str):
-        raise RecipeError([f"{path}: key 'extends' must be a recipe name, got {parent!r}"])
-    parent_path = recipe_path(parent, path.parent) if not Path(parent).is_absolute() else Path(parent)
+    parent = data.pop("extends")
+    if not isinstance(parent, str) or not parent.strip():
+        raise RecipeError([f"{path}: key 'extends' must name a recipe (e.g. extends: smollm2-135m-fp32), "
+                           f"got {parent!r}"])
+    # a name is looked up beside this file; a path is relative to it
+    parent_path = recipe_path(parent, path.parent, relative_to=path.parent)
     return deep_merge(_load_raw(parent_path, (*seen, path)), data)
 
 
 def parse_value(text: str):
+    """A --set value as YAML (numbers, booleans, lists), else the text itself."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return parse_yaml(text, "--set value")
+    except RecipeError:
         return text
+
+
+def _index(part: str, node: list, item: str) -> int:
+    if not part.isdigit():   # no negative positions: -1 silently editing the last element is a trap
+        raise RecipeError([f"--set {_short(item)!r}: '{part}' is not a position in a list of {len(node)} "
+                           f"(use 0 to {len(node) - 1})"])
+    i = int(part)
+    if i >= len(node):
+        raise RecipeError([f"--set {_short(item)!r}: position {i} does not exist in a list of {len(node)} "
+                           f"(use 0 to {len(node) - 1})"])
+    return i
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -287,25 +453,30 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     problems = []
     for item in overrides:
         if "=" not in item:
-            problems.append(f"--set {item!r}: expected KEY.PATH=VALUE, e.g. --set quantize.calibration.samples=64")
+            problems.append(f"--set {_short(item)!r}: expected KEY.PATH=VALUE, e.g. --set quantize.calibration.samples=64")
             continue
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
-        node = data
+        if not all(parts) or len(parts) > MAX_KEY_PARTS:
+            problems.append(f"--set {_short(item)!r}: '{_short(key)}' is not a key path like quantize.calibration.samples")
+            continue
         try:
+            node = data
             for part in parts[:-1]:
                 if isinstance(node, list):          # list element by index: validate.eval.0.samples=4
-                    node = node[int(part)]
+                    node = node[_index(part, node, item)]
                     continue
                 if not isinstance(node.get(part), (dict, list)):
                     node[part] = {}
                 node = node[part]
             if isinstance(node, list):
-                node[int(parts[-1])] = parse_value(value)
+                node[_index(parts[-1], node, item)] = parse_value(value)
             else:
                 node[parts[-1]] = parse_value(value)
-        except (ValueError, IndexError):
-            problems.append(f"--set {item!r}: '{key}' indexes a list with a position that does not exist")
+        except RecipeError as e:
+            problems += e.problems
+        except (AttributeError, TypeError):
+            problems.append(f"--set {_short(item)!r}: '{_short(key)}' goes inside a value that is not a section")
     if problems:
         raise RecipeError(problems)
     return data
@@ -335,10 +506,18 @@ def _model_at(loc: tuple) -> type[BaseModel] | None:
     return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
 
 
+def _value(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _describe(err: dict, source: str) -> str:
     loc = tuple(err["loc"])
     path = ".".join(str(p) for p in loc)
     kind = err["type"]
+    if path == "name" and kind == "string_pattern_mismatch":
+        return (f"{source}: name = {_value(err.get('input'))} is not a valid recipe name: use {NAME_RULE} "
+                "(it names the report directory and the cache index; set `name:` in the recipe)")
     if kind == "extra_forbidden":
         cls = _model_at(loc)
         allowed = _allowed_keys(cls) if cls else []
@@ -346,10 +525,10 @@ def _describe(err: dict, source: str) -> str:
         hint = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?" if close else ""
         return f"{source}: unknown key '{path}'{hint} (allowed here: {', '.join(allowed)})"
     if kind == "literal_error":
-        return f"{source}: {path} = {err.get('input')!r} is not allowed: {err['msg']}"
+        return f"{source}: {path} = {_value(err.get('input'))} is not allowed: {err['msg']}"
     if kind == "missing":
         return f"{source}: {path} is required"
-    return f"{source}: {path} = {err.get('input')!r}: {err['msg']}"
+    return f"{source}: {path} = {_value(err.get('input'))}: {err['msg']}"
 
 
 def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: Path = RECIPES_DIR) -> Recipe:
@@ -362,7 +541,9 @@ def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: 
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
-        raise RecipeError([_describe(err, str(path)) for err in e.errors()]) from None
+        errors = e.errors()
+        shown = [_describe(err, str(path)) for err in errors[:MAX_PROBLEMS_SHOWN]]
+        raise RecipeError(shown + [f"{path}: ..."] * (len(errors) - len(shown))) from None
     problems = semantic_problems(recipe, str(path))
     if problems:
         raise RecipeError(problems)
@@ -393,4 +574,32 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     if q.method == "qat" and target != "tensorrt_llm":
         p.append(f"{source}: quantize.method 'qat' needs build.target 'tensorrt_llm' (ModelOpt fake-quant models do not "
                  f"export to ONNX); use method: ptq for '{target}'")
+    t = recipe.validate_.thresholds
+    for key, targets in THRESHOLD_TARGETS.items():
+        if getattr(t, key) is not None and target not in targets:
+            p.append(f"{source}: validate.thresholds.{key} gates a metric only build.target "
+                     f"{' / '.join(sorted(targets))} produces; remove it for '{target}'")
+    p += data_set_problems(recipe, source)
     return p
+
+
+# thresholds whose metric only some targets produce (the others' evaluate stages produce every other gate's)
+THRESHOLD_TARGETS = {"simulated_ppl_gap_max": {"tensorrt_llm"}}
+
+
+def data_set_problems(recipe: Recipe, source: str) -> list[str]:
+    """Every data set / split the recipe names exists in calibration_data/manifest.yaml (before any stage runs)."""
+    from . import data as datasets
+    from .errors import ForgeError
+    q = recipe.quantize
+    named = [(f"validate.eval.{i}", e.set, e.split) for i, e in enumerate(recipe.validate_.eval)]
+    named.append(("quantize.calibration", q.calibration.set, q.calibration.split))
+    if q.method == "qat":
+        named.append(("quantize.qat", q.qat.set, q.qat.split))
+    out = []
+    for key, set_name, split in named:
+        try:
+            datasets.set_digest(set_name, split)
+        except ForgeError as e:
+            out.append(f"{source}: {key}: {e}")
+    return out

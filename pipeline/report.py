@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from dataclasses import asdict
@@ -14,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
 
@@ -55,6 +57,43 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
     })
 
 
+def report_dir_name(name: str) -> str:
+    """A directory name for a recipe's reports even when the name given was not a valid recipe name."""
+    from .recipe import MAX_NAME_CHARS, NAME_RE
+    stem = Path(name).name.removesuffix(".yaml").removesuffix(".yml") if name.endswith((".yaml", ".yml")) else name
+    if len(stem) <= MAX_NAME_CHARS and NAME_RE.match(stem):
+        return stem
+    return "invalid-" + sha256_json(name)[:12]
+
+
+def invalid_report(name: str, error: Exception) -> dict:
+    """report.json of a recipe that did not resolve: no stages ran; the problems are the result."""
+    problems = getattr(error, "problems", None) or [str(error)]
+    return _clean({
+        "recipe": name if len(name) <= 200 else name[:200] + "...",
+        "recipe_hash": None,
+        "target": None,
+        "status": "invalid",
+        "wall_s": 0.0,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"platform": platform.platform(), "python": platform.python_version(),
+                    "processor": platform.processor() or platform.machine()},
+        "problems": problems,
+        "stages": [{"name": "resolve", "status": "failed", "key": None, "duration_s": 0.0, "peak_rss_mb": 0.0,
+                    "metrics": {}, "message": "\n".join(problems[:50]), "payload": None,
+                    "error_type": type(error).__name__, "log": None}],
+    })
+
+
+def write_summary(statuses: dict[str, str], report_dir: Path) -> Path:
+    report_dir.mkdir(parents=True, exist_ok=True)
+    path = report_dir / "summary.json"
+    tmp = path.with_name(f".summary.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(statuses, indent=2))
+    os.replace(tmp, path)
+    return path
+
+
 def junit_xml(report: dict) -> str:
     suite = ET.Element("testsuite", name=f"forge.{report['recipe']}")
     tests = failures = skipped = 0
@@ -64,7 +103,10 @@ def junit_xml(report: dict) -> str:
                              time=str(st["duration_s"]))
         if st["status"] == "failed":
             failures += 1
-            ET.SubElement(case, "failure", message=st["message"][:500]).text = st["message"]
+            kind = f"{st['error_type']}: " if st.get("error_type") and st["error_type"] != "StageFailed" else ""
+            text = st["message"] + (f"\nlog: {st['log']}" if st.get("log") else "")
+            ET.SubElement(case, "failure", message=(kind + st["message"])[:500],
+                          type=st.get("error_type") or "failed").text = text
         elif st["status"] in ("cannot-run-here", "skipped"):
             skipped += 1
             ET.SubElement(case, "skipped", message=st["message"][:500])
@@ -86,10 +128,11 @@ KEY_METRICS = ("ppl_delta_pct", "ppl_ptq_delta_pct", "ppl_qat_delta_pct", "simul
 
 
 def summary_table(report: dict) -> Table:
-    t = Table(title=f"{report['recipe']} [{report['target']}] — {report['status']} in {report['wall_s']:.1f}s")
+    t = Table(title=f"{escape(str(report['recipe']))} [{report['target']}] — {report['status']} in {report['wall_s']:.1f}s")
     for col in ("stage", "status", "time s", "peak RSS MB", "key", "notes"):
         t.add_column(col)
-    colors = {"hit": "green", "built": "cyan", "failed": "red", "cannot-run-here": "yellow", "skipped": "dim"}
+    colors = {"hit": "green", "built": "cyan", "failed": "red", "cannot-run-here": "yellow", "skipped": "dim",
+              "invalid": "red"}
     for st in report["stages"]:
         m = st.get("metrics") or {}
         notes = ", ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m[k]}"

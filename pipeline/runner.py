@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import uuid
 import time
+import traceback
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +15,8 @@ import psutil
 
 from .cache import ArtifactCache, diff_components, make_key
 from .env import forge_home
-from .errors import CannotRunHere, ForgeError, StageFailed
+from .diskspace import check_free_space, disk_full, no_space_message
+from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageError
 from .modelinfo import ModelInfo
 from .recipe import Recipe
 from .stages import flow_for
@@ -41,6 +43,16 @@ class StageResult:
     metrics: dict = field(default_factory=dict)
     message: str = ""
     payload: str | None = None
+    error_type: str = ""        # a failure's exception type (StageFailed for a gate or check that said no)
+    log: str | None = None      # a failure's log: message, traceback, stage and key
+
+
+class _InputsCorrupt(Exception):
+    """A stage that hands artifacts off found one of its inputs changed on disk (set aside; rebuild)."""
+
+    def __init__(self, stages: list[str]):
+        self.stages = stages
+        super().__init__(", ".join(stages))
 
 
 class _RssSampler:
@@ -95,18 +107,19 @@ def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = Non
 
 class Runner:
     def __init__(self, recipe: Recipe, cache: ArtifactCache | None = None, home: Path | None = None,
-                 stages: list[Stage] | None = None):
+                 stages: list[Stage] | None = None, log_dir: Path | None = None):
         self.recipe = recipe
         self.cache = cache or ArtifactCache()
         self.home = Path(home or forge_home())
         self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
+        self.log_dir = Path(log_dir) if log_dir else self.cache.root / "logs" / recipe.name
 
     def stage_names(self) -> list[str]:
         return [s.name for s in self.stages]
 
     def _check_stage_name(self, name: str | None, flag: str) -> None:
         if name is not None and name not in self.stage_names():
-            raise ForgeError(f"{flag} {name}: no such stage for target '{self.recipe.build.target}' "
+            raise UsageError(f"{flag} {name}: no such stage for target '{self.recipe.build.target}' "
                              f"(stages: {', '.join(self.stage_names())})")
 
     def _cached_source_payload(self) -> Path | None:
@@ -129,6 +142,8 @@ class Runner:
 
     # ------------------------------------------------------------ plan
     def plan(self, force: set[str] = frozenset()) -> list[StagePlan]:
+        for f in force:
+            self._check_stage_name(f, "--force")
         digests: dict[str, str] = {}
         out: list[StagePlan] = []
         for s in self.stages:
@@ -162,25 +177,44 @@ class Runner:
         return out
 
     # ------------------------------------------------------------ build
-    def build(self, *, from_stage: str | None = None, until: str | None = None,
-              force: set[str] = frozenset(), on_stage=None) -> list[StageResult]:
+    def check_stage_args(self, from_stage: str | None = None, until: str | None = None,
+                         force: set[str] = frozenset()) -> None:
+        """--from / --until / --force name stages of this recipe's target, in an order that builds something."""
         self._check_stage_name(from_stage, "--from")
         self._check_stage_name(until, "--until")
         for f in force:
             self._check_stage_name(f, "--force")
+        names = self.stage_names()
+        if from_stage and until and names.index(until) < names.index(from_stage):
+            raise UsageError(f"--until {until} comes before --from {from_stage} (stages: {', '.join(names)})")
+
+    def build(self, *, from_stage: str | None = None, until: str | None = None,
+              force: set[str] = frozenset(), on_stage=None) -> list[StageResult]:
+        """Run every stage that is not cached. Bad arguments or recipe problems raise UsageError/RecipeError
+        before anything runs; any failure of a stage after that is a failed StageResult (never an exception),
+        except an interrupt."""
+        self.check_stage_args(from_stage, until, force)
         names = self.stage_names()
         forced = set(force)
         if from_stage:
             forced |= set(names[names.index(from_stage):])
         problems = self.plan_problems()
         if problems:
-            from .errors import RecipeError
             raise RecipeError(problems)
+        self.cache.clean_stale_tmp()
+        try:
+            return self._build_once(forced, until, on_stage)
+        except _InputsCorrupt:
+            # what a package stage was about to hand off changed on disk: those entries are set aside now, so
+            # a second pass rebuilds them (a stage that was bit-identical hits again) and then packages
+            return self._build_once(forced, until, on_stage, retry=True)
 
+    def _build_once(self, forced: set[str], until: str | None, on_stage, retry: bool = False) -> list[StageResult]:
         results: list[StageResult] = []
         digests: dict[str, str] = {}
         payloads: dict[str, Path] = {}
         metrics: dict[str, dict] = {}
+        keys: dict[str, str] = {}
         stop = False
         for s in self.stages:
             if stop:
@@ -189,62 +223,111 @@ class Runner:
             if any(n not in digests for n in s.needs):
                 results.append(StageResult(s.name, "skipped", message="upstream did not complete"))
                 continue
-            res = self._run_stage(s, digests, payloads, metrics, s.name in forced)
+            try:
+                res = self._run_stage(s, digests, payloads, metrics, s.name in forced,
+                                      {n: keys[n] for n in s.needs}, retry)
+            except _InputsCorrupt:
+                if on_stage:
+                    on_stage(StageResult(s.name, "skipped", message="an input changed on disk since it was cached: "
+                                                                    "set aside, rebuilding it"))
+                raise
             results.append(res)
             if on_stage:
                 on_stage(res)
             if res.status in ("hit", "built"):
-                entry = self.cache.get(res.key, verify=False)
-                digests[s.name] = entry.meta["payload_digest"]
-                payloads[s.name] = entry.payload
-                metrics[s.name] = res.metrics
-            if res.status == "failed":
+                try:
+                    entry = self.cache.get(res.key, verify=False)
+                    digests[s.name] = entry.meta["payload_digest"]
+                    payloads[s.name] = entry.payload
+                    metrics[s.name] = res.metrics
+                    keys[s.name] = res.key
+                except Exception as e:      # the entry vanished or is unreadable right after use
+                    results[-1] = self._failed(s, res.key, 0.0, 0.0, e)
+            if results[-1].status == "failed":
                 stop = True
             if until and s.name == until:
                 stop = True
         return results
 
-    def _run_stage(self, s: Stage, digests, payloads, metrics, forced: bool) -> StageResult:
-        comps = s.components(self.recipe, self.home, digests)
-        key = make_key(comps)
-        if not forced:
-            entry = self.cache.get(key)
-            if entry is not None:
-                self.cache.record(self.recipe.name, s.name, key, comps)
-                return StageResult(s.name, "hit", key, metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
-        missing = s.missing(self.recipe)
-        if missing:
-            return StageResult(s.name, "cannot-run-here", key,
-                               message=f"{missing}; finish with: {s.finish_hint(self.recipe)}")
+    def _run_stage(self, s: Stage, digests, payloads, metrics, forced: bool, input_keys: dict[str, str],
+                   retry: bool) -> StageResult:
         t0 = time.perf_counter()
-        with self.cache.lock(key):
+        key = need = None
+        sampler = _RssSampler()
+        try:
+            comps = s.components(self.recipe, self.home, digests)
+            key = make_key(comps)
             if not forced:
-                entry = self.cache.get(key)   # a concurrent run may have built it while we waited
+                entry = self.cache.get(key)
                 if entry is not None:
                     self.cache.record(self.recipe.name, s.name, key, comps)
-                    return StageResult(s.name, "hit", key, time.perf_counter() - t0,
-                                       metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
-            info = model_info_for(self.recipe, self.home, payloads.get("source"))
-            sampler = _RssSampler()
-            try:
+                    return StageResult(s.name, "hit", key, metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
+            missing = s.missing(self.recipe)
+            if missing:
+                return StageResult(s.name, "cannot-run-here", key,
+                                   message=f"{missing}; finish with: {s.finish_hint(self.recipe)}")
+            with self.cache.lock(key):
+                if not forced:
+                    entry = self.cache.get(key)   # a concurrent run may have built it while we waited
+                    if entry is not None:
+                        self.cache.record(self.recipe.name, s.name, key, comps)
+                        return StageResult(s.name, "hit", key, time.perf_counter() - t0,
+                                           metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
+                if s.hands_off:
+                    self._verify_inputs(s, input_keys, retry)
+                info = model_info_for(self.recipe, self.home, payloads.get("source"))
+                need = s.output_bytes(self.recipe, info, dict(payloads))
+                check_free_space(self.cache.root / "tmp", need)
                 with self.cache.writer(key) as out, sampler:
                     ctx = StageContext(self.recipe, self.home, out, dict(payloads), dict(metrics), info,
-                                       extra={"upstream_digests": dict(digests)})
+                                       extra={"upstream_digests": dict(digests), "output_bytes": need})
                     stage_metrics = s.run(ctx) or {}
                     if forced and self.cache.get(key) is not None:
                         self._replace(key)
                     entry = self.cache.commit(key, out, comps, stage_metrics)
-            except StageFailed as e:
-                return StageResult(s.name, "failed", key, time.perf_counter() - t0, sampler.peak / 2**20,
-                                   e.metrics, str(e))
-            except CannotRunHere as e:
-                return StageResult(s.name, "cannot-run-here", key, time.perf_counter() - t0, message=str(e))
-            except ForgeError as e:
-                return StageResult(s.name, "failed", key, time.perf_counter() - t0, sampler.peak / 2**20,
-                                   message=str(e))
-        self.cache.record(self.recipe.name, s.name, key, comps)
+            self.cache.record(self.recipe.name, s.name, key, comps)
+        except (KeyboardInterrupt, _InputsCorrupt):
+            raise
+        except CannotRunHere as e:
+            return StageResult(s.name, "cannot-run-here", key, time.perf_counter() - t0, message=str(e))
+        except Exception as e:      # any failure of a stage is its result, whatever raised it
+            return self._failed(s, key, time.perf_counter() - t0, sampler.peak / 2**20, e, need)
         return StageResult(s.name, "built", key, time.perf_counter() - t0, sampler.peak / 2**20,
                            stage_metrics, payload=str(entry.payload))
+
+    def _verify_inputs(self, s: Stage, input_keys: dict[str, str], retry: bool) -> None:
+        """Full content digests (not the stat cache) of what this stage hands off; a changed entry is set aside."""
+        bad = [n for n, k in input_keys.items() if self.cache.get(k, verify=True, use_stat_cache=False) is None]
+        if bad and not retry:
+            raise _InputsCorrupt(bad)
+        if bad:
+            raise ForgeError(f"the cached output of {', '.join(bad)} changed on disk again after it was rebuilt: "
+                             f"check the disk under {self.cache.root} (`forge cache verify`)")
+
+    def _failed(self, s: Stage, key: str | None, duration: float, peak_mb: float, e: BaseException,
+                need: int | None = None) -> StageResult:
+        full = disk_full(e, self.cache.root / "tmp")
+        if full is not None:
+            message = no_space_message(full, self.cache.root, self.home, need)
+        elif isinstance(e, ForgeError):
+            message = str(e)
+        else:
+            message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        log = self._write_log(s, key, e, message)
+        return StageResult(s.name, "failed", key, duration, peak_mb, getattr(e, "metrics", {}) or {}, message,
+                           error_type=type(e).__name__, log=log)
+
+    def _write_log(self, s: Stage, key: str | None, e: BaseException, message: str) -> str | None:
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path = self.log_dir / f"{s.name}.log"
+            path.write_text(f"recipe: {self.recipe.name}\nstage: {s.name}\nkey: {key}\n"
+                            f"time: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+                            f"error: {type(e).__name__}\nmessage: {message}\n\n"
+                            + "".join(traceback.format_exception(e)))
+            return str(path)
+        except OSError:             # the log's disk may be the full one: the result still says what happened
+            return None
 
     def _replace(self, key: str) -> None:
         """--force: move the old entry aside so the fresh build can take its place."""

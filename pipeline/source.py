@@ -62,7 +62,10 @@ class SourceInfo:
     spec: str       # what the recipe said
 
     def to_dict(self) -> dict:
-        return {"path": str(self.path), "digest": self.digest, "kind": self.kind, "spec": self.spec}
+        """What the model is (the source stage's ``source.json``). Where it lies on this machine is left out:
+        a builtin's conversion lives under FORGE_HOME, so the path would make the payload, and every key
+        downstream, differ between two homes or machines holding the same model."""
+        return {"digest": self.digest, "kind": self.kind, "spec": self.spec}
 
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -173,6 +176,8 @@ def materialise_builtin(name: str, home: Path) -> Path:
             return final
         if final.exists():                                # incomplete leftover (should not happen: rename is atomic)
             shutil.rmtree(final)
+        for stale in final.parent.glob(f".tmp-{final.name}-*"):   # a killed conversion's (we hold its lock)
+            shutil.rmtree(stale, ignore_errors=True)
         b, gguf = builtin_gguf(name)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:

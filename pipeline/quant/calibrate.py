@@ -207,5 +207,17 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     m["peak_rss_mb"] = peak_rss_mb()
     if device.startswith("cuda") and torch.cuda.is_available():
         m["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    (out_dir / artifact.METRICS_FILE).write_text(json.dumps(m, indent=1, default=str))
+    (out_dir / artifact.METRICS_FILE).write_text(json.dumps(reproducible(m), indent=1, default=str))
     return m
+
+
+VOLATILE = ("seconds", "peak_rss_mb", "peak_gpu_mb")
+
+
+def reproducible(m: dict) -> dict:
+    """The metrics without timings and memory peaks: what the payload keeps, so the same inputs give the same
+    payload digest on any machine (the full metrics go to the cache entry's meta.json and the report)."""
+    out = {k: v for k, v in m.items() if k not in VOLATILE}
+    if isinstance(out.get("qat"), dict):
+        out["qat"] = {k: v for k, v in out["qat"].items() if k not in VOLATILE}
+    return out

@@ -26,6 +26,11 @@ def has_module(name: str) -> bool:
         return False
 
 
+def payload_bytes(path: Path) -> int:
+    """Bytes of the files under a committed payload."""
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
 def cpu_hardware() -> str:
     return f"cpu:{platform.machine()}"
 
@@ -46,6 +51,7 @@ class Stage:
     version: str = "1"                  # bump when the implementation changes its output
     needs: tuple[str, ...] = ()         # upstream stages whose payloads this reads
     tools: tuple[str, ...] = ()         # distributions whose versions enter the key
+    hands_off: bool = False             # its payload leaves the cache (a package): inputs verified in full first
     description: str = ""
 
     def config(self, r: Recipe) -> dict:
@@ -61,6 +67,10 @@ class Stage:
 
     def missing(self, r: Recipe) -> str | None:
         """What this machine lacks to run the stage (None when it can run here)."""
+        return None
+
+    def output_bytes(self, r: Recipe, info: ModelInfo | None, inputs: dict[str, Path]) -> int | None:
+        """About how many bytes the payload takes (checked against free space before the stage runs); None = unknown."""
         return None
 
     def finish_hint(self, r: Recipe) -> str:

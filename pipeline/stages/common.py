@@ -7,17 +7,24 @@ from functools import lru_cache
 from pathlib import Path
 
 from .. import data as datasets
+from ..errors import ForgeError
 from ..recipe import Recipe
 from ..source import resolve_source
 
 
 def model_dir(ctx) -> Path:
-    """The local HF dir of the source stage (re-materialised if a builtin conversion was removed)."""
+    """The local HF dir of the model the source stage recorded, found on this machine (a builtin is converted
+    again if its conversion was removed) and checked to be that model (same digest)."""
+    if "model_dir" in ctx.extra:
+        return ctx.extra["model_dir"]
     meta = json.loads((ctx.inputs["source"] / "source.json").read_text())
-    p = Path(meta["path"])
-    if not (p / "config.json").exists():
-        p = resolve_source(meta["spec"], ctx.home).path
-    return p
+    info = resolve_source(meta["spec"], ctx.home)
+    if info.digest != meta["digest"]:
+        raise ForgeError(f"model.source {meta['spec']!r}: the model at {info.path} is not the one the cached source "
+                         f"stage recorded (digest {info.digest[:12]} vs {meta['digest'][:12]}); rebuild from the "
+                         f"source with `forge build {ctx.recipe.name} --force source`")
+    ctx.extra["model_dir"] = info.path
+    return info.path
 
 
 @lru_cache(maxsize=4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .base import Stage, StageContext, cpu_hardware
+from .base import Stage, StageContext, cpu_hardware, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, tokenizer
 from .evaluate import EvaluateBase
 
@@ -20,6 +20,9 @@ class OrtExport(Stage):
 
     def config(self, r):
         return r.export.model_dump()
+
+    def output_bytes(self, r, info, inputs):
+        return int(info.num_params * 4 * 1.05) if info else None    # fp32 external data + graph
 
     def run(self, ctx: StageContext) -> dict:
         from ..ort.export import export_onnx
@@ -46,8 +49,31 @@ class OrtQuantize(Stage):
         q = r.quantize
         return set_digests(r, [(q.calibration.set, q.calibration.split)]) if q.algo != "none" else {}
 
+    def output_bytes(self, r, info, inputs):
+        return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph
+
     def hardware(self, r):
         return cpu_hardware()
+
+    def plan_problems(self, r, info):
+        """int4: ORT's MatMulNBits takes a power-of-two block >= 16; forge also wants it to divide every quantized
+        linear's input width (a partial last block is padded and quantized with padding: a silent accuracy cost)."""
+        q = r.quantize
+        if q.algo != "int4_wo" or info is None:
+            return []
+        from ..quant.configs import linear_input_widths
+        key, block = (("quantize.options.block_size", q.options["block_size"]) if "block_size" in q.options
+                      else ("quantize.block_size", q.block_size or 32))
+        if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
+            return [f"{key}: {block!r} is not a power of two >= 16 (ONNX Runtime's MatMulNBits block sizes: 16, 32, "
+                    "64, 128, 256)"]
+        widths = {**linear_input_widths(info), "lm_head": info.hidden_size}
+        bad = {k: w for k, w in widths.items() if w % block}
+        if bad:
+            ok = [b for b in (16, 32, 64, 128, 256) if all(w % b == 0 for w in widths.values())]
+            return [f"{key}: {block} does not divide the input width of " + ", ".join(f"{k} ({w})" for k, w in bad.items())
+                    + f"; block sizes that divide every width of this model: {', '.join(map(str, ok)) or 'none'}"]
+        return []
 
     def run(self, ctx: StageContext) -> dict:
         from ..ort.quantize import quantize_onnx
@@ -71,6 +97,9 @@ class OrtBuildStage(Stage):
 
     def config(self, r):
         return r.build.onnxruntime.model_dump()
+
+    def output_bytes(self, r, info, inputs):
+        return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
 
     def hardware(self, r):
         return cpu_hardware()   # optimised graphs may hold hardware-specific fusions
@@ -100,10 +129,14 @@ class OrtEvaluate(EvaluateBase):
 
 class OrtPackage(Stage):
     name = "package"
-    version = "2"   # 2: BLS model calls every model with exec(decoupled=True)
+    version = "3"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest)
     needs = ("build", "validate", "evaluate", "source")
     tools = ORT_TOOLS
     description = "Triton model repository (ensemble text in / text out) + manifest.json"
+    hands_off = True
+
+    def output_bytes(self, r, info, inputs):
+        return payload_bytes(inputs["build"]) + payload_bytes(inputs["source"]) if "build" in inputs else None
 
     def config(self, r):
         return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}

@@ -13,7 +13,7 @@ from .base import Stage, StageContext
 
 class SourceStage(Stage):
     name = "source"
-    version = "1"
+    version = "2"   # 2: source.json no longer records the model's absolute path (location-independent payload)
     tools = ("transformers", "gguf")
     description = "resolve the model (builtin GGUF -> fp32 safetensors, local dir, or local HF cache)"
 

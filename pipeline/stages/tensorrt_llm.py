@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from ..errors import StageFailed
-from .base import Stage, StageContext, has_module
+from .base import Stage, StageContext, has_module, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, windows
 from .evaluate import EvaluateBase
 
@@ -46,7 +46,7 @@ def calibrates(q) -> bool:
 
 class ModeloptQuantize(Stage):
     name = "quantize"
-    version = "1"
+    version = "2"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest)
     needs = ("source",)
     tools = MODELOPT_TOOLS
     description = "ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved"
@@ -71,6 +71,9 @@ class ModeloptQuantize(Stage):
             sets.append((q.qat.set, q.qat.split))
         sets.append((r.validate_.eval[0].set, r.validate_.eval[0].split))
         return set_digests(r, sets)
+
+    def output_bytes(self, r, info, inputs):
+        return int(info.num_params * 4 * 1.05) if info else None    # fake-quant model with fp32 weights
 
     def plan_problems(self, r, info):
         from ..quant import validate_quant_config
@@ -102,6 +105,9 @@ class TrtllmCheckpoint(Stage):
     def config(self, r):
         b = r.build.tensorrt_llm
         return {"dtype": b.dtype, "tp": b.tp, "pp": b.pp}
+
+    def output_bytes(self, r, info, inputs):
+        return int(info.num_params * 2 * 1.05) if info else None    # 16-bit weights at most, all ranks together
 
     def run(self, ctx: StageContext) -> dict:
         from ..quant import restore_model
@@ -163,6 +169,9 @@ class TrtllmBuildStage(Stage):
 
     def finish_hint(self, r):
         return f"forge build {r.name} --from build  (on a GPU machine with tensorrt_llm 1.2.x, sharing FORGE_CACHE)"
+
+    def output_bytes(self, r, info, inputs):
+        return payload_bytes(inputs["checkpoint"]) if "checkpoint" in inputs else None
 
     def plan_problems(self, r, info):
         from ..trtllm.build_config import validate_build
@@ -231,10 +240,11 @@ class TrtllmEvaluate(EvaluateBase):
 
 class TrtllmPackage(Stage):
     name = "package"
-    version = "2"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls
+    version = "3"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest)
     needs = ("build", "validate", "evaluate", "source")
     tools = TRTLLM_TOOLS
     description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"
+    hands_off = True
 
     def config(self, r):
         return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}

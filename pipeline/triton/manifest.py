@@ -9,7 +9,6 @@ or another GPU architecture than this machine has (engines are not portable acro
 
 from __future__ import annotations
 
-import datetime as _dt
 import importlib.metadata as md
 import json
 import platform
@@ -77,14 +76,31 @@ def current_env() -> dict:
             "python": platform.python_version(), "machine": platform.machine(), "system": platform.system()}
 
 
-def repo_file_digests(repo_dir: Path) -> dict[str, str]:
+def repo_file_digests(repo_dir: Path, use_stat_cache: bool = True) -> dict[str, str]:
     out = {}
     for p in tree_files(repo_dir):
         rel = p.relative_to(repo_dir)
         if rel.as_posix() == MANIFEST or "__pycache__" in rel.parts or p.suffix == ".pyc":
             continue  # bytecode a python backend may write next to model.py is not content
-        out[rel.as_posix()] = file_digest(p)
+        out[rel.as_posix()] = file_digest(p, use_stat_cache)
     return out
+
+
+def file_problems(repo_dir, manifest: dict) -> list[str]:
+    """Files changed, missing or added since packaging, by full content digests (every byte is read: a
+    repository is about to be deployed, and a change that kept size and mtime must be caught)."""
+    repo = Path(repo_dir)
+    problems: list[str] = []
+    recorded = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
+    actual = repo_file_digests(repo, use_stat_cache=False)
+    for f in sorted(set(recorded) | set(actual)):
+        if f not in actual:
+            problems.append(f"{f}: listed in manifest.json but missing; re-run `forge package` to rebuild the repository")
+        elif f not in recorded:
+            problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or re-run `forge package`")
+        elif recorded[f] != actual[f]:
+            problems.append(f"{f}: content differs from manifest.json (modified after packaging); re-run `forge package`")
+    return problems
 
 
 _TOOL_ALIASES = {"nvidia-modelopt": "modelopt", "nvidia_modelopt": "modelopt", "tensorrt-llm": "tensorrt_llm",
@@ -138,8 +154,9 @@ def write_manifest(repo_dir, info: dict) -> Path:
     recipe = info.get("recipe")
     rhash = info.get("recipe_hash") or (recipe.get("hash") if isinstance(recipe, dict) else None) \
         or (sha256_json(recipe) if recipe is not None else None)
+    # no timestamp: the same inputs give the same manifest (and package digest) on any machine or FORGE_HOME;
+    # when it was built is in the cache entry's meta.json and the build report
     manifest = {**info, "schema": SCHEMA, "engine": engine, "hardware": hardware, "tools": tools, "recipe_hash": rhash,
-                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "files": repo_file_digests(repo)}
     path = repo / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
@@ -151,9 +168,16 @@ def read_manifest(repo_dir) -> dict:
     if not path.exists():
         raise ForgeError(f"{path} not found: package the repository with `forge package RECIPE` (it writes the manifest)")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ForgeError(f"{path} is not valid JSON ({e}); re-run `forge package`") from e
+        m = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ForgeError(f"{path} is not valid JSON ({e}); re-run `forge package`") from None
+    if not isinstance(m, dict):
+        raise ForgeError(f"{path} is not a manifest (a JSON object); re-run `forge package`")
+    return m
+
+
+def _obj(x) -> dict:
+    return x if isinstance(x, dict) else {}
 
 
 def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
@@ -165,24 +189,15 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
     repo = Path(repo_dir)
     m = read_manifest(repo)
     env = env or current_env()
-    problems: list[str] = []
-    recorded = m.get("files") or {}
-    actual = repo_file_digests(repo)
-    for f in sorted(set(recorded) | set(actual)):
-        if f not in actual:
-            problems.append(f"{f}: listed in manifest.json but missing; re-run `forge package` to rebuild the repository")
-        elif f not in recorded:
-            problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or re-run `forge package`")
-        elif recorded[f] != actual[f]:
-            problems.append(f"{f}: content differs from manifest.json (modified after packaging); re-run `forge package`")
+    problems = file_problems(repo, m)
     target = m.get("engine")
-    if target not in ENGINE_BOUND:
+    if not isinstance(target, str) or target not in ENGINE_BOUND:
         problems.append(f"manifest.json: unknown engine {target!r}; re-run `forge package`")
         return problems
-    rname = (m.get("recipe") or {}).get("name", "RECIPE")
+    rname = _obj(m.get("recipe")).get("name", "RECIPE")
     tools_now = env.get("tools", {})
     for tool in ENGINE_BOUND[target]:
-        built, now = (m.get("tools") or {}).get(tool), tools_now.get(tool)
+        built, now = _obj(m.get("tools")).get(tool), tools_now.get(tool)
         if built is None:
             problems.append(f"manifest.json records no {tool} version for a {target} engine; rebuild with "
                             f"`forge build {rname} --force build` where {tool} is installed")
@@ -195,15 +210,15 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
                             f"or deploy with {tool}=={built}")
     if target == "onnxruntime":
         # an ORT-optimised graph (level extended/all) is bound to the ORT release and CPU architecture
-        built, now = (m.get("tools") or {}).get("onnxruntime"), tools_now.get("onnxruntime")
-        if built and now and built.split(".")[:2] != now.split(".")[:2]:
+        built, now = _obj(m.get("tools")).get("onnxruntime"), tools_now.get("onnxruntime")
+        if isinstance(built, str) and isinstance(now, str) and built.split(".")[:2] != now.split(".")[:2]:
             problems.append(f"onnxruntime {now} here, but the engine was optimised with onnxruntime {built}; install "
                             f"onnxruntime=={built} or rebuild (`forge build {rname} --force build`)")
-        arch = (m.get("hardware") or {}).get("machine")
+        arch = _obj(m.get("hardware")).get("machine")
         if arch and env.get("machine") and arch != env["machine"]:
             problems.append(f"the engine was built on {arch}, this machine is {env['machine']}; rebuild it here")
     else:
-        sm = (m.get("hardware") or {}).get("sm")
+        sm = _obj(m.get("hardware")).get("sm")
         sms = env.get("gpu_sms") or []
         if not sms:
             problems.append(f"no NVIDIA GPU found here; the {target} engine needs a GPU with SM {sm}")

@@ -97,3 +97,16 @@ def test_quantize_model_rejects_bad_config(tiny_llama, tmp_path, windows):
     from pipeline.errors import RecipeError
     with pytest.raises(RecipeError, match=r"quantize\.block_size"):
         quantize_model(tiny_llama, {"algo": "int4_awq", "block_size": 48}, windows(2, 16, 0), tmp_path / "x")
+
+
+def test_quantize_payload_is_reproducible(tiny_llama, tmp_path, windows):
+    """Two runs of the same PTQ give byte-identical payloads (no timings or memory peaks in metrics.json),
+    so the cache key of every stage after quantize is the same on any machine or FORGE_HOME."""
+    from pipeline.hashing import tree_digest
+    q = {"method": "ptq", "algo": "int8_sq", "alpha": 0.5,
+         "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 1}}
+    runs = [quantize_model(tiny_llama, q, windows(8, 32, seed=1), tmp_path / d, eval_windows=windows(4, 32, seed=9))
+            for d in ("a", "b")]
+    assert "seconds" in runs[0] and "peak_rss_mb" in runs[0]                   # still reported ...
+    assert "seconds" not in json.loads((tmp_path / "a" / "metrics.json").read_text())   # ... not in the payload
+    assert tree_digest(tmp_path / "a", use_stat_cache=False) == tree_digest(tmp_path / "b", use_stat_cache=False)

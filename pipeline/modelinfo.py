@@ -31,13 +31,16 @@ class ModelInfo:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool
+    sliding_window: int | None = None   # tokens a sliding-window layer attends to (Mistral, Gemma 3), None = none
+    qk_norm: bool = False               # per-head q/k RMSNorm (Qwen3, Gemma 3)
+    norms_per_layer: int = 2            # RMSNorms of width hidden_size per layer (Gemma 3: 4)
 
     @property
     def num_params(self) -> int:
         h, i, v, l = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
         attn = h * self.num_heads * self.head_dim * 2 + h * self.num_kv_heads * self.head_dim * 2
         mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + mlp + self.norms_per_layer * h + (2 * self.head_dim if self.qk_norm else 0)
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return l * per_layer + emb + h
 
@@ -50,7 +53,14 @@ class ModelInfo:
         hidden = cfg["hidden_size"]
         rope = cfg.get("rope_theta")
         if rope is None:
-            rope = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+            rp = cfg.get("rope_parameters") or {}
+            # transformers 5 nests per layer type for Gemma 3: the global (full_attention) layers' theta is rope_theta
+            rp = rp.get("full_attention", rp) if isinstance(rp.get("full_attention"), dict) else rp
+            rope = rp.get("rope_theta", 10000.0)
+        model_type = cfg.get("model_type", "llama")
+        window = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            window = None      # Qwen2/3 configs carry sliding_window but only use it with use_sliding_window
         return cls(
             model_type=cfg.get("model_type", "llama"),
             architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
@@ -66,6 +76,9 @@ class ModelInfo:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            sliding_window=int(window) if window else None,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+            norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
         )
 
     @classmethod

@@ -12,6 +12,7 @@ Llama/QWen config classes would otherwise default (trtllm-reference.md §1.2, §
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -24,18 +25,14 @@ from ..errors import ForgeError
 from ..modelinfo import ModelInfo
 from ..progress import progress_bar
 from .build_config import KV_CACHE_ALGO, QUANT_ALGO
+from .families import require_family
 
-# HF architecture -> ModelOpt decoder_type
-DECODER_TYPE = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen"}
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def decoder_type_for(info: ModelInfo) -> str:
-    try:
-        return DECODER_TYPE[info.architecture]
-    except KeyError:
-        raise ForgeError(f"model.source: architecture {info.architecture} has no TensorRT-LLM checkpoint export in "
-                         f"forge (supported: {', '.join(DECODER_TYPE)}); use build.target: onnxruntime") from None
+    """ModelOpt's decoder_type for the model's family (ForgeError naming the supported ones otherwise)."""
+    return require_family(info.architecture).decoder_type
 
 
 def _rope_scaling(hf_cfg: dict) -> dict | None:
@@ -94,6 +91,42 @@ def apply_config_fixups(cfg: dict, info: ModelInfo, hf_cfg: dict, quant: dict | 
     q.setdefault("kv_cache_quant_algo", None)
     cfg["quantization"] = q
     return cfg
+
+
+@contextlib.contextmanager
+def _gemma3_manual_config():
+    """Let ModelOpt write a Gemma 3 checkpoint config without tensorrt_llm installed.
+
+    ModelOpt 0.47 builds config.json through TensorRT-LLM's ``GemmaConfig.from_hugging_face`` when tensorrt_llm is
+    importable; without it (this CPU machine) its manual branch (``convert_to_tensorrt_llm_config`` in
+    ``modelopt/torch/export/tensorrt_llm_utils.py``) accepts gemma but raises NotImplementedError for gemma3,
+    although the weights are exported (q/k norms, pre/post-feedforward norms, norm weights + 1). On that error
+    only, the generic fields are built as for ``gemma`` (identical for both) and ``apply_config_fixups`` adds
+    the Gemma3ConfigGroup fields GemmaConfig.from_hugging_face would add.
+    """
+    from modelopt.torch.export import model_config_export as mce
+    orig = mce.convert_to_tensorrt_llm_config
+
+    def convert(model_config, *args, **kwargs):
+        try:
+            return orig(model_config, *args, **kwargs)
+        except NotImplementedError:
+            layers = [lay for lay in model_config.layers if getattr(lay, "decoder_type", None) == "gemma3"]
+            if not layers:
+                raise
+            for lay in layers:
+                lay.decoder_type = "gemma"
+            try:
+                return orig(model_config, *args, **kwargs)
+            finally:
+                for lay in layers:
+                    lay.decoder_type = "gemma3"
+
+    mce.convert_to_tensorrt_llm_config = convert
+    try:
+        yield
+    finally:
+        mce.convert_to_tensorrt_llm_config = orig
 
 
 def _disable_quantizers(model: torch.nn.Module) -> list:
@@ -172,8 +205,9 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     try:
         with _PeakRss() as mem, progress_bar(f"TRT-LLM checkpoint export (tp {tp}, pp {pp})", 1) as advance, \
                 torch.inference_mode():
-            export_tensorrt_llm_checkpoint(model, decoder, tdtype, out,
-                                           inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
+            with _gemma3_manual_config():
+                export_tensorrt_llm_checkpoint(model, decoder, tdtype, out,
+                                               inference_tensor_parallel=tp, inference_pipeline_parallel=pp)
             advance(1)
     finally:
         for qz in disabled:

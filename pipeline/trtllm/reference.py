@@ -1,14 +1,27 @@
-"""Reference numerics of a TensorRT-LLM checkpoint, computed on CPU from the checkpoint files alone.
+"""Reference numerics of a TensorRT-LLM checkpoint, computed from the checkpoint files alone, streamed layer by layer.
 
 Label: "checkpoint, reference numerics" — this is a torch re-implementation of what TensorRT-LLM's
-Llama/QWen models compute from these tensors, not a TensorRT-LLM engine.
+Llama / Mistral / QWen (Qwen2, Qwen3) / Gemma 3 models compute from these tensors, not a TensorRT-LLM engine.
+Per-family semantics and their TensorRT-LLM 1.2 sources: ``pipeline/trtllm/families.py``.
 
+- Streaming: nothing is materialised up front. A forward opens each ``rank{N}.safetensors`` with safetensors'
+  ``safe_open`` (memory-mapped), reads one decoder layer of every rank of the stage, dequantizes it onto the
+  compute device, runs every batch through it, frees it and closes the file (closing unmaps the pages, so the
+  file's pages do not accumulate in the resident set). Host RAM stays near one layer of all ranks in fp32 plus
+  the activations and one batch's logits, instead of the whole checkpoint in fp32.
+- Device: CUDA when a GPU is visible (one device holds every rank in turn), CPU otherwise; ``device=`` overrides.
+  Matmuls run in float32 without TF32 on both, so both give the same numbers within float32 rounding.
 - Per rank: each ``rank{N}.safetensors`` is used only for the rank that owns it. Column-parallel linears
   produce local shards, attention runs on the rank's local heads (KV heads as stored, i.e. duplicated when
   kv_heads < tp), row-parallel linears produce partial sums; the TP all-reduce is a sum over the TP ranks of a
   stage, the parallel embedding is a masked lookup + sum, lm_head shards are gathered and the vocab padding
   cut. PP: the hidden state is handed from one stage's ranks to the next (first stage embeds, last stage
   applies ln_f and lm_head).
+- Families: Llama 3.x ``rotary_scaling`` (llama3 / linear), sliding-window attention (Mistral: every layer;
+  Gemma 3: layers with ``(i + 1) % _sliding_window_pattern != 0``, with ``rope_local_base_freq``; a key at
+  position j is visible from position i when ``i - window < j <= i``), per-head q/k RMSNorm before RoPE
+  (Qwen3, Gemma 3), Gemma 3's embedding scale sqrt(hidden), softmax scale 1/sqrt(query_pre_attn_scalar),
+  post-attention and pre/post-feedforward norms and GeGLU (tanh GELU).
 - Quantization follows TensorRT-LLM's layer semantics (trtllm-reference.md §1.7–1.10):
   * W8A8_SQ_PER_CHANNEL (``Int8SmoothQuantLinear``): ``x * prequant_scaling_factor`` (model dtype), quantize
     ``round(x / activation_scaling_factor)`` clamped to int8, dequantize, times the int8 weight dequantized
@@ -30,22 +43,32 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from .contract import QWEN_ARCHS, pp_layer_ranges
+from .families import sliding_layers
 
 LABEL = "checkpoint, reference numerics"
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FP8_MAX = 448.0
+LM_HEAD_ROWS = 16384          # lm_head rows dequantized to fp32 at a time (bounds memory at large vocabularies)
+# hidden_act of the gated MLP's fc branch. TensorRT-LLM's ``gelu`` is the tanh approximation (families.py).
+_ACTS = {"silu": F.silu, "swiglu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh"),
+         "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+         "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @dataclass
 class _Linear:
-    w: torch.Tensor                      # effective (dequantized) weight [out, in], float32
+    w: torch.Tensor                      # effective (dequantized) weight [out, in], float32, on the compute device
     bias: torch.Tensor | None = None
     act: str | None = None               # None | "int8" | "fp8"
     act_scale: float = 1.0
@@ -53,16 +76,18 @@ class _Linear:
 
 
 class ReferenceModel:
-    """Logits of a TRT-LLM checkpoint (Llama / Qwen2) computed per rank; see the module docstring."""
+    """Logits of a TRT-LLM checkpoint computed per rank, streamed one layer at a time; see the module docstring."""
 
     label = LABEL
 
-    def __init__(self, ckpt_dir: str | Path, *, kv_cache: str = "generation", threads: int | None = None):
+    def __init__(self, ckpt_dir: str | Path, *, kv_cache: str = "generation", threads: int | None = None,
+                 device: str | torch.device | None = None):
         if kv_cache not in ("generation", "context", "all"):
             raise ValueError(f"kv_cache must be generation, context or all, got {kv_cache!r}")
         if threads:
             torch.set_num_threads(threads)
         self.dir = Path(ckpt_dir)
+        self.device = torch.device(device) if device is not None else default_device()
         self.cfg = cfg = json.loads((self.dir / "config.json").read_text())
         self.kv_mode = kv_cache
         self.dtype = _DT[cfg["dtype"]]
@@ -73,43 +98,65 @@ class ReferenceModel:
         self.D = cfg.get("head_size") or self.H // self.N
         self.V, self.L = cfg["vocab_size"], cfg["num_hidden_layers"]
         self.eps = float(cfg.get("norm_epsilon", 1e-6))
-        default_base = 100000.0 if cfg["architecture"] in QWEN_ARCHS and cfg.get("qwen_type") != "qwen" else 10000.0
+        arch = cfg["architecture"]
+        default_base = 100000.0 if arch in QWEN_ARCHS and cfg.get("qwen_type") != "qwen" else 10000.0
         self.rotary_base = float(cfg.get("rotary_base", default_base))
         self.rotary_scaling = cfg.get("rotary_scaling")
+        gemma3 = arch == "Gemma3ForCausalLM"
+        self.inter_layernorms = gemma3 or bool(cfg.get("inter_layernorms", False))
+        self.emb_scale = math.sqrt(self.H) if gemma3 else None       # GemmaModel: emb * sqrt(hidden_size)
+        qpas = cfg.get("query_pre_attn_scalar") if gemma3 else None
+        self.attn_scale = 1.0 / math.sqrt(float(qpas) if qpas else self.D)
+        self.local_base = float(cfg.get("rope_local_base_freq") or self.rotary_base)
+        self.final_softcap = cfg.get("final_logit_softcapping") if gemma3 else None
+        self.window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+        self.sliding = sliding_layers(cfg)
         q = cfg.get("quantization") or {}
         self.quant_algo, self.kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
         if self.quant_algo not in (None, "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16", "FP8"):
             raise NotImplementedError(f"reference numerics for quant_algo {self.quant_algo} are not implemented "
                                       f"(supported: none, W8A8_SQ_PER_CHANNEL, W8A16, W4A16, FP8)")
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {cfg.get('hidden_act')} (only silu gated MLP)")
+        act = cfg.get("hidden_act", "silu")
+        if act not in _ACTS:
+            raise NotImplementedError(f"hidden_act {act!r} (gated MLP with {', '.join(_ACTS)})")
+        self.act = _ACTS[act]
         self.ranges = pp_layer_ranges(self.L, self.pp)
-        self.ranks: list[dict[str, Any]] = [self._load_rank(r) for r in range(self.tp * self.pp)]
+        self.files = [self.dir / f"rank{r}.safetensors" for r in range(self.tp * self.pp)]
+        missing = [f.name for f in self.files if not f.exists()]
+        if missing:
+            raise FileNotFoundError(f"{self.dir}: {', '.join(missing)} missing (mapping says {len(self.files)} ranks)")
 
-    # ------------------------------------------------------------------ loading
+    # ------------------------------------------------------------------ reading (one rank file at a time)
+    def _open(self, rank: int):
+        """The rank's safetensors, memory-mapped; closing the handle unmaps it (see the module docstring)."""
+        return safe_open(str(self.files[rank]), framework="pt")
+
+    def _get(self, f, name: str) -> torch.Tensor:
+        return f.get_tensor(name).to(self.device)
+
     def _rd(self, t: torch.Tensor) -> torch.Tensor:
         """Round to the checkpoint dtype, keep float32 storage."""
         return t.to(self.dtype).float()
 
-    def _linear(self, sd: dict, prefix: str, excluded: bool = False) -> _Linear:
-        w = sd[prefix + ".weight"]
-        bias = sd.get(prefix + ".bias")
-        bias = bias.float() if bias is not None else None
+    def _linear(self, f, names: set, prefix: str, excluded: bool = False) -> _Linear:
+        w = self._get(f, prefix + ".weight")
+        bias = self._get(f, prefix + ".bias").float() if prefix + ".bias" in names else None
         algo = None if excluded else self.quant_algo
         if algo == "W8A8_SQ_PER_CHANNEL" and w.dtype == torch.int8:
-            wsf = sd[prefix + ".weights_scaling_factor"].float()
+            wsf = self._get(f, prefix + ".weights_scaling_factor").float()
             weff = self._rd(w.float() * wsf.reshape(-1, 1))
-            return _Linear(weff, bias, "int8", float(sd[prefix + ".activation_scaling_factor"].reshape(-1)[0]),
-                           sd[prefix + ".prequant_scaling_factor"].float())
+            asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
+            return _Linear(weff, bias, "int8", asf, self._get(f, prefix + ".prequant_scaling_factor").float())
         if algo == "FP8" and w.dtype in (torch.int8, torch.float8_e4m3fn):
-            wsf = float(sd[prefix + ".weights_scaling_factor"].reshape(-1)[0])
+            wsf = float(f.get_tensor(prefix + ".weights_scaling_factor").reshape(-1)[0])
             weff = self._rd(w.view(torch.float8_e4m3fn).float() * wsf)
-            return _Linear(weff, bias, "fp8", float(sd[prefix + ".activation_scaling_factor"].reshape(-1)[0]))
+            asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
+            return _Linear(weff, bias, "fp8", asf)
         if algo in ("W8A16", "W4A16"):
             if w.dtype == torch.int8:
                 if algo == "W4A16":
                     raise NotImplementedError("packed int4 weight-only tensors (quint4x2) are not decoded here")
-                pcs = sd[prefix + ".per_channel_scale"].float()
+                pcs = self._get(f, prefix + ".per_channel_scale").float()
                 return _Linear(self._rd(w.float().t() * pcs.reshape(-1, 1)), bias)
             qmax = 127.0 if algo == "W8A16" else 7.0
             wf = w.float()
@@ -118,32 +165,28 @@ class ReferenceModel:
             return _Linear(self._rd(qw * scale), bias)
         return _Linear(w.float(), bias)
 
-    def _load_rank(self, rank: int) -> dict[str, Any]:
-        sd = load_file(str(self.dir / f"rank{rank}.safetensors"))
-        pp_rank = rank // self.tp
-        out: dict[str, Any] = {"rank": rank, "layers": []}
-        if "transformer.vocab_embedding.weight" in sd:
-            out["emb"] = sd["transformer.vocab_embedding.weight"].float()
-        if "transformer.ln_f.weight" in sd:
-            out["ln_f"] = sd["transformer.ln_f.weight"].float()
-        if "lm_head.weight" in sd:
-            out["lm_head"] = self._linear(sd, "lm_head", excluded=True)
-        for i in range(len(self.ranges[pp_rank])):
-            p = f"transformer.layers.{i}."
-            lay = {
-                "in_ln": sd[p + "input_layernorm.weight"].float(),
-                "post_ln": sd[p + "post_layernorm.weight"].float(),
-                "qkv": self._linear(sd, p + "attention.qkv"),
-                "dense": self._linear(sd, p + "attention.dense"),
-                "fc": self._linear(sd, p + "mlp.fc"),
-                "gate": self._linear(sd, p + "mlp.gate"),
-                "proj": self._linear(sd, p + "mlp.proj"),
-                "kv_scale": None,
-            }
+    def _load_layer(self, rank: int, local: int) -> dict[str, Any]:
+        """Layer ``local`` (PP-local index) of ``rank``, dequantized onto the device; the file is closed after."""
+        p = f"transformer.layers.{local}."
+        with self._open(rank) as f:
+            names = set(f.keys())
+            lay = {"in_ln": self._get(f, p + "input_layernorm.weight").float(),
+                   "post_ln": self._get(f, p + "post_layernorm.weight").float(),
+                   "qkv": self._linear(f, names, p + "attention.qkv"),
+                   "dense": self._linear(f, names, p + "attention.dense"),
+                   "fc": self._linear(f, names, p + "mlp.fc"),
+                   "gate": self._linear(f, names, p + "mlp.gate"),
+                   "proj": self._linear(f, names, p + "mlp.proj"),
+                   "kv_scale": None, "q_ln": None, "k_ln": None}
+            if p + "attention.q_layernorm.weight" in names:          # Qwen3 / Gemma 3 per-head q/k norm
+                lay["q_ln"] = self._get(f, p + "attention.q_layernorm.weight").float()
+                lay["k_ln"] = self._get(f, p + "attention.k_layernorm.weight").float()
+            if self.inter_layernorms:
+                lay["pre_ffn_ln"] = self._get(f, p + "pre_feedforward_layernorm.weight").float()
+                lay["post_ffn_ln"] = self._get(f, p + "post_feedforward_layernorm.weight").float()
             if self.kv_algo in ("INT8", "FP8"):
-                lay["kv_scale"] = float(sd[p + "attention.kv_cache_scaling_factor"].reshape(-1)[0])
-            out["layers"].append(lay)
-        return out
+                lay["kv_scale"] = float(f.get_tensor(p + "attention.kv_cache_scaling_factor").reshape(-1)[0])
+        return lay
 
     # ------------------------------------------------------------------ ops
     def _apply(self, lin: _Linear, x: torch.Tensor) -> torch.Tensor:
@@ -165,11 +208,11 @@ class ReferenceModel:
         var = x.pow(2).mean(-1, keepdim=True)
         return self._rd(x * torch.rsqrt(var + self.eps) * w)
 
-    def _rope(self, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope(self, T: int, base: float, scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         D = self.D
-        inv = 1.0 / (self.rotary_base ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+        inv = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
         pos = torch.arange(T, dtype=torch.float64)
-        rs = self.rotary_scaling
+        rs = self.rotary_scaling if scaled else None
         if rs:
             kind = rs.get("type", rs.get("rope_type"))
             if kind == "linear":
@@ -179,14 +222,14 @@ class ReferenceModel:
                 old = float(rs["original_max_position_embeddings"])
                 wavelen = 2 * math.pi / inv
                 smooth = ((old / wavelen) - lo) / (hi - lo)
-                scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+                scaled_inv = torch.where(wavelen > old / lo, inv / factor, inv)
                 mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-                inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+                inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled_inv)
             else:
                 raise NotImplementedError(f"rotary_scaling type {kind!r} is not implemented in the reference")
         ang = torch.outer(pos, inv)
         emb = torch.cat([ang, ang], dim=-1)
-        return emb.cos().float(), emb.sin().float()
+        return emb.cos().float().to(self.device), emb.sin().float().to(self.device)
 
     @staticmethod
     def _rot(x, cos, sin):
@@ -198,9 +241,17 @@ class ReferenceModel:
             return torch.round(t / s).clamp(-128, 127) * s
         return (t / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).float() * s
 
-    def _attention(self, lay: dict, x: torch.Tensor, cos, sin) -> torch.Tensor:
+    def _mask(self, T: int, sliding: bool) -> torch.Tensor:
+        i = torch.arange(T, device=self.device)
+        ok = i[None, :] <= i[:, None]                              # causal
+        if sliding and self.window:
+            ok &= i[None, :] > i[:, None] - self.window            # the last `window` tokens, itself included
+        return ok
+
+    def _attention(self, lay: dict, x: torch.Tensor, rope, mask) -> torch.Tensor:
         B, T, _ = x.shape
         D = self.D
+        cos, sin = rope
         qkv = self._rd(self._apply(lay["qkv"], x))
         nq = self.N // self.tp
         nkv = (qkv.shape[-1] // D - nq) // 2
@@ -208,15 +259,16 @@ class ReferenceModel:
         q = q.view(B, T, nq, D).transpose(1, 2)
         k = k.view(B, T, nkv, D).transpose(1, 2)
         v = v.view(B, T, nkv, D).transpose(1, 2)
+        if lay["q_ln"] is not None:            # per-head RMSNorm over head_size, before RoPE
+            q, k = self._rms(q, lay["q_ln"]), self._rms(k, lay["k_ln"])
         q, k = self._rd(self._rot(q, cos, sin)), self._rd(self._rot(k, cos, sin))
         rep = nq // nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        scale = 1.0 / math.sqrt(D)
-        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        scale = self.attn_scale
         s_kv = lay["kv_scale"]
         if s_kv is None or self.kv_mode == "context":
             scores = (q @ k.transpose(-1, -2)) * scale
-            p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             o = p @ v
         else:
             kq, vq = self._kvq(k, s_kv), self._kvq(v, s_kv)
@@ -224,9 +276,9 @@ class ReferenceModel:
             if self.kv_mode == "generation":   # own token exact, earlier tokens from the quantized cache
                 diag = (q * k).sum(-1) * scale
                 scores = scores.clone()
-                idx = torch.arange(T)
+                idx = torch.arange(T, device=self.device)
                 scores[..., idx, idx] = diag
-            p = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            p = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
             o = p @ vq
             if self.kv_mode == "generation":
                 pd = p.diagonal(dim1=-2, dim2=-1).unsqueeze(-1)
@@ -235,29 +287,75 @@ class ReferenceModel:
         return self._apply(lay["dense"], o)
 
     def _mlp(self, lay: dict, x: torch.Tensor) -> torch.Tensor:
-        a = self._rd(F.silu(self._rd(self._apply(lay["fc"], x))))
+        a = self._rd(self.act(self._rd(self._apply(lay["fc"], x))))
         g = self._rd(self._apply(lay["gate"], x))
         return self._apply(lay["proj"], self._rd(a * g))
 
-    def _embed(self, ranks: list[dict], ids: torch.Tensor) -> torch.Tensor:
-        if not self.cfg.get("use_parallel_embedding", False):
-            return ranks[0]["emb"][ids]
+    def _layer(self, lays: list[dict], h: torch.Tensor, rope, mask) -> torch.Tensor:
+        """One decoder layer over the stage's TP ranks (the all-reduce is the sum over ranks)."""
+        res = h
+        attn = self._rd(sum(self._attention(r, self._rms(h, r["in_ln"]), rope, mask) for r in lays))
+        if self.inter_layernorms:            # Gemma 3: post_layernorm on the attention output, then the residual
+            attn = self._rms(attn, lays[0]["post_ln"])
+        h = self._rd(res + attn)
+        res = h
+        ln = "pre_ffn_ln" if self.inter_layernorms else "post_ln"
+        mlp = self._rd(sum(self._mlp(r, self._rms(h, r[ln])) for r in lays))
+        if self.inter_layernorms:
+            mlp = self._rms(mlp, lays[0]["post_ffn_ln"])
+        return self._rd(res + mlp)
+
+    def _embed(self, ranks: list[int], batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Embedding of every batch, reading one rank's table at a time (parallel embedding: masked lookup + sum)."""
+        name = "transformer.vocab_embedding.weight"
+        parallel = self.cfg.get("use_parallel_embedding", False)
         dim = int(self.cfg.get("embedding_sharding_dim", 0))
-        if dim == 1:
-            return torch.cat([r["emb"][ids] for r in ranks], dim=-1)
-        h = None
-        for t, r in enumerate(ranks):          # masked lookup per vocab shard + all-reduce (sum)
-            rows = r["emb"].shape[0]
-            local = ids - t * rows
-            ok = (local >= 0) & (local < rows)
-            part = r["emb"][local.clamp(0, rows - 1)] * ok.unsqueeze(-1)
-            h = part if h is None else h + part
-        return h
+        out: list[Any] = [None] * len(batches)
+        for t, rank in enumerate(ranks if parallel else ranks[:1]):
+            with self._open(rank) as f:
+                emb = self._get(f, name)
+            for b, ids in enumerate(batches):
+                if not parallel:
+                    part = emb[ids].float()
+                elif dim == 1:
+                    part = emb[ids].float()
+                    out[b] = part if out[b] is None else torch.cat([out[b], part], dim=-1)
+                    continue
+                else:
+                    rows = emb.shape[0]
+                    local = ids - t * rows
+                    ok = (local >= 0) & (local < rows)
+                    part = emb[local.clamp(0, rows - 1)].float() * ok.unsqueeze(-1)
+                out[b] = part if out[b] is None else out[b] + part
+            del emb
+        if self.emb_scale is not None:      # GemmaModel: cast(emb * sqrt(hidden_size), dtype)
+            out = [self._rd(self._rd(e) * self.emb_scale) for e in out]
+        return [self._rd(e) for e in out]
+
+    def _head_shards(self, ranks: list[int]) -> list[tuple[torch.Tensor, _Linear | torch.Tensor]]:
+        """(ln_f, lm_head) per last-stage rank; lm_head stays in the checkpoint dtype (made fp32 a chunk at a time)."""
+        out = []
+        for rank in ranks:
+            with self._open(rank) as f:
+                names = set(f.keys())
+                ln_f = self._get(f, "transformer.ln_f.weight").float()
+                if "lm_head.bias" in names:
+                    head = self._linear(f, names, "lm_head", excluded=True)
+                elif "lm_head.weight" in names:
+                    head = self._get(f, "lm_head.weight")
+                else:                                      # shared embedding table (pp 1)
+                    head = self._get(f, "transformer.vocab_embedding.weight")
+            out.append((ln_f, head))
+        return out
+
+    def _head(self, x: torch.Tensor, head) -> torch.Tensor:
+        if isinstance(head, _Linear):
+            return self._apply(head, x)
+        return torch.cat([x @ head[r:r + LM_HEAD_ROWS].float().t() for r in range(0, head.shape[0], LM_HEAD_ROWS)],
+                         dim=-1)
 
     # ------------------------------------------------------------------ forward
-    @torch.inference_mode()
-    def logits(self, input_ids: Any, attention_mask: Any | None = None) -> torch.Tensor:
-        """Float32 logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]`` (right padding only)."""
+    def _ids(self, input_ids: Any, attention_mask: Any | None = None) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -265,26 +363,52 @@ class ReferenceModel:
             m = torch.as_tensor(attention_mask).bool()
             if (m[:, 1:] & ~m[:, :-1]).any():
                 raise ValueError("the reference takes right-padded batches only (causal attention ignores the pad)")
-        B, T = ids.shape
-        cos, sin = self._rope(T)
-        h = None
-        for stage in range(self.pp):
-            ranks = self.ranks[stage * self.tp:(stage + 1) * self.tp]
-            if stage == 0:
-                h = self._rd(self._embed(ranks, ids))
-            # PP hand-off: ``h`` is what the previous stage sends; this stage's ranks hold their own layers.
-            for i in range(len(self.ranges[stage])):
-                res = h
-                attn = sum(self._attention(r["layers"][i], self._rms(h, r["layers"][i]["in_ln"]), cos, sin)
-                           for r in ranks)          # all-reduce = sum over the stage's TP ranks
-                h = self._rd(res + self._rd(attn))
-                res = h
-                mlp = sum(self._mlp(r["layers"][i], self._rms(h, r["layers"][i]["post_ln"])) for r in ranks)
-                h = self._rd(res + self._rd(mlp))
-        last = self.ranks[(self.pp - 1) * self.tp:]
-        shards = []
-        for r in last:
-            x = self._rms(h, r["ln_f"])
-            head = r.get("lm_head") or _Linear(r["emb"])   # shared embedding table (pp 1)
-            shards.append(self._apply(head, x))
-        return torch.cat(shards, dim=-1)[..., :self.V].float()   # all-gather, drop vocab padding
+        return ids
+
+    @torch.inference_mode()
+    def iter_logits(self, batches: Iterable[Any]) -> Iterator[torch.Tensor]:
+        """Float32 CPU logits ``[B, T, vocab_size]`` of each batch of ``batches``, in order.
+
+        One streaming pass over the checkpoint serves all batches: each layer is read once and every batch's
+        hidden state runs through it. Only the hidden states of all batches are kept; logits are yielded one
+        batch at a time.
+        """
+        prev_tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False          # float32 matmuls, same numbers as on CPU
+        try:
+            batches = [self._ids(b).to(self.device) for b in batches]
+            ropes: dict[tuple[int, bool], Any] = {}
+
+            def rope_mask(T, sliding):
+                if (T, sliding) not in ropes:
+                    base = self.local_base if sliding and self.emb_scale is not None else self.rotary_base
+                    # Gemma 3 local layers: their own base, no rotary scaling (only global layers are scaled)
+                    scaled = not (sliding and self.emb_scale is not None)
+                    ropes[(T, sliding)] = (self._rope(T, base, scaled), self._mask(T, sliding))
+                return ropes[(T, sliding)]
+
+            hs: list[torch.Tensor] = []
+            for stage in range(self.pp):
+                ranks = list(range(stage * self.tp, (stage + 1) * self.tp))
+                if stage == 0:
+                    hs = self._embed(ranks, batches)
+                # PP hand-off: ``hs`` is what the previous stage sends; this stage's ranks hold their own layers.
+                for i, layer in enumerate(self.ranges[stage]):
+                    lays = [self._load_layer(r, i) for r in ranks]
+                    sliding = self.sliding[layer]
+                    hs = [self._layer(lays, h, *rope_mask(h.shape[1], sliding)) for h in hs]
+                    del lays
+            heads = self._head_shards(list(range((self.pp - 1) * self.tp, self.pp * self.tp)))
+            for b in range(len(hs)):
+                h, hs[b] = hs[b], None
+                lg = torch.cat([self._head(self._rms(h, ln_f), head) for ln_f, head in heads], dim=-1)[..., :self.V]
+                if self.final_softcap:
+                    lg = torch.tanh(lg / self.final_softcap) * self.final_softcap
+                yield lg.float().cpu()   # all-gather, drop vocab padding
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev_tf32
+
+    def logits(self, input_ids: Any, attention_mask: Any | None = None) -> torch.Tensor:
+        """Float32 logits ``[B, T, vocab_size]`` for ``input_ids`` ``[B, T]`` (right padding only)."""
+        ids = self._ids(input_ids, attention_mask)
+        return next(iter(self.iter_logits([ids])))

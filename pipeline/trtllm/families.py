@@ -1,0 +1,127 @@
+"""Model families of forge's TensorRT-LLM target: one home for what differs between them.
+
+Each family names the HF architectures it covers, ModelOpt's ``decoder_type`` for the checkpoint export, the
+TensorRT-LLM 1.2 class that loads it (``MODEL_MAP`` in ``tensorrt_llm/models/__init__.py``), the per-layer
+tensors beyond the Llama/Qwen2 set, and the semantics the reference numerics must apply.
+
+Sources (TensorRT-LLM 1.2 line, read through the search index; the repository is too large to fetch, so files
+without a resolvable commit are cited by their index id, as in shared/docs/trtllm-reference.md):
+
+* MODEL_MAP: ``'LlamaForCausalLM': LLaMAForCausalLM``, ``'MistralForCausalLM': LLaMAForCausalLM``,
+  ``'Qwen2ForCausalLM' / 'Qwen3ForCausalLM': QWenForCausalLM``, ``'Gemma3ForCausalLM': GemmaForCausalLM``
+  (``tensorrt_llm/models/__init__.py``, index id 820782731).
+* Llama / Mistral: ``LLaMAConfig`` (``tensorrt_llm/models/llama/config.py`` @ 04100fd): ``rotary_base`` =
+  HF ``rope_theta``, ``rotary_scaling`` = HF ``rope_scaling`` verbatim (so ``{"rope_type": "llama3", "factor",
+  "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}`` for Llama 3.x), ``attn_bias`` =
+  HF ``bias`` or ``attention_bias``. LLaMAConfig has no sliding-window field: Mistral's window is a runtime
+  setting of the engine (``max_attention_window_size``), so forge writes ``sliding_window`` into config.json
+  (PretrainedConfig keeps unknown keys as attributes, "Implicitly setting ...") for the reference and the
+  Triton repository to read.
+* Qwen3: ``QWenConfig.from_hugging_face`` sets ``attn_bias = False`` for qwen3/qwen3_moe (index id 14645444);
+  ``QWenDecoderLayer`` builds ``Attention(qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe'))`` (index id
+  54584513530), and the converter writes HF ``self_attn.q_norm`` / ``k_norm`` as
+  ``attention.q_layernorm.weight`` / ``attention.k_layernorm.weight`` (``tensorrt_llm/models/qwen/convert.py``,
+  index id 1134239761). The q/k norm is an RMSNorm over ``head_size``, applied per head before RoPE.
+* Gemma 3: ``GemmaConfig`` (``tensorrt_llm/models/gemma/config.py``, index id 397088162) with
+  ``Gemma3ConfigGroup`` = ``query_pre_attn_scalar, final_logit_softcapping, _sliding_window_pattern,
+  rope_local_base_freq, sliding_window`` (``tensorrt_llm/models/modeling_utils.py``, index id 57035009897),
+  all required for ``architecture == "Gemma3ForCausalLM"`` (``assert query_pre_attn_scalar is not None``).
+  ``GemmaDecoderLayer`` (``tensorrt_llm/models/gemma/model.py``, index id 83670668): ``qk_layernorm=True``,
+  ``q_scaling = sqrt(query_pre_attn_scalar) / sqrt(head_size)`` (softmax scale 1/sqrt(query_pre_attn_scalar)),
+  ``is_sliding = bool((layer_idx + 1) % _sliding_window_pattern)`` with ``rotary_embedding_base_local =
+  rope_local_base_freq``; ``inter_layernorms``: ``post_layernorm`` on the attention output before the residual
+  add, ``pre_feedforward_layernorm`` before and ``post_feedforward_layernorm`` after the MLP; ``GemmaModel``
+  scales the embedding by ``sqrt(hidden_size)`` (cast to the model dtype). TensorRT-LLM's ``RmsNorm`` is
+  ``x * w``; Gemma's is ``x * (1 + w)``: ModelOpt's ``build_layernorm_config`` writes ``w + 1``
+  (``_weights_plus_one`` for ``Gemma3RMSNorm``). The window itself, like Mistral's, is enforced by the runtime's
+  per-layer ``max_attention_window_size``. ``GemmaConfig`` forces ``use_parallel_embedding = tp_size > 1`` and a
+  shared embedding table.
+* GeGLU: TensorRT-LLM's ``gelu`` is the tanh approximation (``tensorrt_llm/functional.py``, index id 720191209),
+  the same as HF's ``gelu_pytorch_tanh``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ForgeError
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_architectures: tuple[str, ...]      # HF ``architectures[0]`` values covered
+    decoder_type: str                      # ModelOpt export_tensorrt_llm_checkpoint decoder_type
+    model_class: str                       # TensorRT-LLM 1.2 class MODEL_MAP gives for the architecture
+    qk_norm: bool = False                  # attention.q_layernorm / k_layernorm per head (before RoPE)
+    inter_layernorms: bool = False         # Gemma 2/3: post-attn + pre/post-feedforward norms
+    embedding_scale: bool = False          # hidden = emb * sqrt(hidden_size)
+    activation: str = "silu"               # gated MLP activation on mlp.fc
+    qwen: bool = False                     # QWenConfig fields (qwen_type, attn_bias default True)
+    extra_layer_tensors: tuple[str, ...] = field(default=())   # norms beyond input/post_layernorm
+
+
+LLAMA = Family("llama", ("LlamaForCausalLM",), "llama", "LLaMAForCausalLM")
+MISTRAL = Family("mistral", ("MistralForCausalLM",), "llama", "LLaMAForCausalLM")
+QWEN2 = Family("qwen2", ("Qwen2ForCausalLM", "QWenForCausalLM"), "qwen", "QWenForCausalLM", qwen=True)
+QWEN3 = Family("qwen3", ("Qwen3ForCausalLM",), "qwen", "QWenForCausalLM", qwen=True, qk_norm=True,
+               extra_layer_tensors=("attention.q_layernorm.weight", "attention.k_layernorm.weight"))
+GEMMA3 = Family("gemma3", ("Gemma3ForCausalLM",), "gemma3", "GemmaForCausalLM", qk_norm=True,
+                inter_layernorms=True, embedding_scale=True, activation="gelu_pytorch_tanh",
+                extra_layer_tensors=("attention.q_layernorm.weight", "attention.k_layernorm.weight",
+                                     "pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"))
+
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)
+BY_ARCH: dict[str, Family] = {a: f for f in FAMILIES for a in f.hf_architectures}
+ARCHITECTURES = frozenset(BY_ARCH)
+
+# Gemma3 fields TensorRT-LLM's GemmaConfig requires (Gemma3ConfigGroup) and the HF key each comes from.
+GEMMA3_FIELDS = {"query_pre_attn_scalar": "query_pre_attn_scalar",
+                 "final_logit_softcapping": "final_logit_softcapping",
+                 "_sliding_window_pattern": "sliding_window_pattern",
+                 "rope_local_base_freq": "rope_local_base_freq",
+                 "sliding_window": "sliding_window"}
+
+
+def family_of(architecture: str) -> Family | None:
+    return BY_ARCH.get(architecture)
+
+
+def require_family(architecture: str) -> Family:
+    fam = family_of(architecture)
+    if fam is None:
+        raise ForgeError(f"model.source: architecture {architecture} has no TensorRT-LLM checkpoint export in forge "
+                         f"(supported: {', '.join(sorted(ARCHITECTURES))}); use build.target: onnxruntime")
+    return fam
+
+
+def sliding_window_pattern(hf_cfg: dict) -> int | None:
+    """Gemma 3's period of global layers (every N-th layer is global): HF ``sliding_window_pattern`` or, in
+    transformers 5, derived from ``layer_types`` (``full_attention`` every N-th layer)."""
+    pat = hf_cfg.get("sliding_window_pattern") or hf_cfg.get("_sliding_window_pattern")
+    if pat:
+        return int(pat)
+    types = hf_cfg.get("layer_types")
+    if types:
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        if not full:
+            return len(types) + 1   # no global layer within the model
+        pat = full[0] + 1
+        expect = ["full_attention" if (i + 1) % pat == 0 else "sliding_attention" for i in range(len(types))]
+        if list(types) != expect:
+            raise ForgeError(f"model config: layer_types {types} is not a periodic sliding/global pattern; "
+                             f"TensorRT-LLM's Gemma3 takes one _sliding_window_pattern")
+        return pat
+    return None
+
+
+def sliding_layers(cfg: dict) -> list[bool]:
+    """Per layer: does it use the sliding window? From a TensorRT-LLM checkpoint config (forge's fix-ups)."""
+    L = int(cfg["num_hidden_layers"])
+    win = cfg.get("sliding_window")
+    if not win:
+        return [False] * L
+    pat = cfg.get("_sliding_window_pattern")
+    if cfg.get("architecture") == "Gemma3ForCausalLM" and pat:
+        return [bool((i + 1) % int(pat)) for i in range(L)]   # GemmaDecoderLayer.is_sliding
+    return [True] * L                                         # Mistral: every layer

@@ -211,7 +211,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
         p_lin += in_f * out_f
     w_lin, s_lin, p_lin = w_lin * layers, s_lin * layers, p_lin * layers
     bias_params = ((q_heads + 2 * kvr) * hd if info.attention_bias else 0)
-    norm_params = (2 * h + bias_params) * layers
+    # Gemma 3: 4 norms per layer; Qwen3 / Gemma 3: per-head q/k norms (head_dim each)
+    norm_params = (info.norms_per_layer * h + (2 * hd if info.qk_norm else 0) + bias_params) * layers
     emb_params = info.vocab_size * h
     head_params = math.ceil(info.vocab_size / tp) * h
 
@@ -241,6 +242,16 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     kv_block_bytes = kv_per_token * tokens_per_block
     kv_contig = kv_per_token * kv_tokens
     kv_paged = kv_block_bytes * kv_blocks
+    n_slide = info.sliding_layers_in(layers)
+    win = info.sliding_window
+    if n_slide and win and win < max_seq_len:
+        # A sliding-window layer keeps only the last `window` tokens when the runtime sets its
+        # max_attention_window_size (TensorRT-LLM's variable sliding-window KV cache).
+        per_layer = kvr * hd * 2 * kvb
+        win_blocks = math.ceil(win / tokens_per_block)
+        kv_contig = per_layer * max_batch_size * ((layers - n_slide) * max_seq_len + n_slide * win)
+        kv_paged = per_layer * tokens_per_block * max_batch_size * ((layers - n_slide) * blocks_per_seq
+                                                                    + n_slide * win_blocks)
 
     per_token_act = (2 * h + (q_heads + 2 * kvr) * hd + q_heads * hd + 3 * i_r) * act
     activation = per_token_act * max_num_tokens
@@ -252,6 +263,9 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     if tp > info.num_kv_heads:
         notes.append(f"tp={tp} > num_kv_heads={info.num_kv_heads}: KV heads are duplicated, each rank holds 1 "
                      f"KV head (the KV cache does not shrink with tp beyond {info.num_kv_heads})")
+    if n_slide and win and win < max_seq_len:
+        notes.append(f"{n_slide} of {layers} layers use a {win}-token sliding window: their KV cache holds {win} "
+                     f"tokens per sequence, provided the runtime sets max_attention_window_size per layer")
     if info.tie_word_embeddings:
         notes.append("tied embeddings: the engine stores lm_head separately from the embedding table")
     if mnt_default:

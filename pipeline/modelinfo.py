@@ -15,6 +15,13 @@ from .errors import ForgeError
 BUNDLED = Path(__file__).parent / "model_configs"
 
 
+def _global_every(cfg: dict) -> int | None:
+    if cfg.get("model_type") not in ("gemma3", "gemma3_text"):
+        return None
+    from .trtllm.families import sliding_window_pattern
+    return sliding_window_pattern(cfg)
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     model_type: str            # HF model_type: llama, qwen2, ...
@@ -34,6 +41,15 @@ class ModelInfo:
     sliding_window: int | None = None   # tokens a sliding-window layer attends to (Mistral, Gemma 3), None = none
     qk_norm: bool = False               # per-head q/k RMSNorm (Qwen3, Gemma 3)
     norms_per_layer: int = 2            # RMSNorms of width hidden_size per layer (Gemma 3: 4)
+    global_every: int | None = None     # Gemma 3: every N-th layer is global, the others slide; None: all slide
+
+    def sliding_layers_in(self, layers: int) -> int:
+        """How many of ``layers`` consecutive decoder layers use the sliding window."""
+        if not self.sliding_window:
+            return 0
+        if self.global_every:
+            return layers - layers // self.global_every
+        return layers
 
     @property
     def num_params(self) -> int:
@@ -79,6 +95,7 @@ class ModelInfo:
             sliding_window=int(window) if window else None,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
             norms_per_layer=4 if model_type in ("gemma2", "gemma3", "gemma3_text") else 2,
+            global_every=_global_every(cfg),
         )
 
     @classmethod

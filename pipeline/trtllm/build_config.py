@@ -16,6 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..modelinfo import ModelInfo
+from .families import ARCHITECTURES
 
 KEY = "build.tensorrt_llm"
 
@@ -32,7 +33,7 @@ KV_CACHE_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
 
 # Archs whose TRT-LLM model implements reduce_fusion (build.py: forced off otherwise).
 REDUCE_FUSION_ARCHS = {"LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM"}
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHS = ARCHITECTURES   # families.py: every family with export, contract and reference numerics
 GEMM_PLUGIN_CHOICES = {"auto", "float16", "float32", "bfloat16", "int32", "fp8", "nvfp4", "disable"}
 ATTN_PLUGIN_CHOICES = {"auto", "float16", "float32", "bfloat16", "int32", "disable"}
 

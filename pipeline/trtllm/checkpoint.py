@@ -25,7 +25,7 @@ from ..errors import ForgeError
 from ..modelinfo import ModelInfo
 from ..progress import progress_bar
 from .build_config import KV_CACHE_ALGO, QUANT_ALGO
-from .families import require_family
+from .families import require_family, sliding_window_pattern
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -40,6 +40,8 @@ def _rope_scaling(hf_cfg: dict) -> dict | None:
     rs = hf_cfg.get("rope_scaling")
     if rs is None:
         rp = hf_cfg.get("rope_parameters") or {}
+        if isinstance(rp.get("full_attention"), dict):   # transformers 5 Gemma 3: per layer type; global layers
+            rp = rp["full_attention"]                     # carry the scaling (local layers are never scaled)
         rs = {k: v for k, v in rp.items() if k != "rope_theta"} or None
     if not rs:
         return None
@@ -49,6 +51,25 @@ def _rope_scaling(hf_cfg: dict) -> dict | None:
     out = dict(rs)
     out.setdefault("type", rtype)
     return out
+
+
+def _gemma3_fields(hf_cfg: dict, tp: int) -> dict:
+    """What TensorRT-LLM's GemmaConfig.from_hugging_face adds for Gemma 3 (families.py for the sources)."""
+    rp = hf_cfg.get("rope_parameters") or {}
+    local = hf_cfg.get("rope_local_base_freq") or (rp.get("sliding_attention") or {}).get("rope_theta") or 10000.0
+    qpas = hf_cfg.get("query_pre_attn_scalar")
+    if not qpas:
+        raise ForgeError("model config: Gemma3ForCausalLM without query_pre_attn_scalar; TensorRT-LLM's GemmaConfig "
+                         "asserts it is set")
+    return {"query_pre_attn_scalar": qpas,
+            "final_logit_softcapping": hf_cfg.get("final_logit_softcapping"),
+            "_sliding_window_pattern": sliding_window_pattern(hf_cfg) or 1,
+            "rope_local_base_freq": float(local),
+            "sliding_window": hf_cfg.get("sliding_window"),
+            "inter_layernorms": True,
+            "share_embedding_table": True,           # GemmaConfig: always
+            "use_parallel_embedding": tp > 1,        # GemmaConfig: tp_size > 1, whatever the checkpoint says
+            "embedding_sharding_dim": 0}
 
 
 def apply_config_fixups(cfg: dict, info: ModelInfo, hf_cfg: dict, quant: dict | None) -> dict:
@@ -72,6 +93,12 @@ def apply_config_fixups(cfg: dict, info: ModelInfo, hf_cfg: dict, quant: dict | 
         cfg["seq_length"] = int(hf_cfg.get("seq_length", 8192))
     else:
         cfg["attn_bias"] = bool(hf_cfg.get("attention_bias", hf_cfg.get("bias", False)))
+    if info.sliding_window and info.architecture == "MistralForCausalLM":
+        # LLaMAConfig has no window field; the engine's window is the runtime max_attention_window_size.
+        # Carried here (PretrainedConfig keeps unknown keys) for the reference and the Triton repository.
+        cfg["sliding_window"] = int(info.sliding_window)
+    if info.architecture == "Gemma3ForCausalLM":
+        cfg.update(_gemma3_fields(hf_cfg, int((cfg.get("mapping") or {}).get("tp_size", 1))))
     q = dict(cfg.get("quantization") or {})
     algo = quant.get("algo") or "none"
     if quant.get("method") == "none":

@@ -20,8 +20,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-ARCHS = {"LlamaForCausalLM", "Qwen2ForCausalLM", "QWenForCausalLM"}
-QWEN_ARCHS = {"Qwen2ForCausalLM", "QWenForCausalLM"}
+from .families import ARCHITECTURES, GEMMA3_FIELDS, family_of
+
+ARCHS = set(ARCHITECTURES)
+QWEN_ARCHS = {a for a in ARCHITECTURES if family_of(a).qwen}
 QWEN_TYPES = ("qwen", "qwen2", "qwen2_moe", "qwen2_llava_onevision", "qwen2_vl", "qwen2_audio", "qwen3", "qwen3_moe")
 QUANT_ALGOS = {None, "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W4A16_GPTQ", "W8A8_SQ_PER_CHANNEL",
                "W8A8_SQ_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
@@ -51,6 +53,8 @@ RULE_SQ = "§1.9 W8A8_SQ_PER_CHANNEL (ModelOpt): int8 weight (out,in), fp32 weig
 RULE_WO = "§1.7 weight-only: float weight (trtllm-build quantizes) or int8 (in, out*bits/8) + per_channel_scale"
 RULE_FP8 = "§1.10 FP8: fp8 weight (out,in), fp32 weights/activation_scaling_factor (1,)"
 RULE_KV = "§1.10 KV-cache quantization: attention.kv_cache_scaling_factor fp32 (1,)"
+RULE_QK = "families.py: Qwen3 / Gemma 3 attention.q_layernorm / k_layernorm, RMSNorm over head_size, not split"
+RULE_GEMMA = "families.py: Gemma 3 inter_layernorms (pre/post_feedforward_layernorm), not split"
 RULE_PP = "§1.3/§1.5 PP: layers tensor_split over pp ranks, local indices; embedding on the first, ln_f/lm_head on the last stage"
 
 
@@ -78,6 +82,7 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
     algo, kv = q.get("quant_algo"), q.get("kv_cache_quant_algo")
     arch = cfg["architecture"]
     qwen = arch in QWEN_ARCHS
+    fam = family_of(arch)
     attn_bias = bool(cfg.get("attn_bias", qwen))  # QWenConfig default True, LLaMAConfig default False
     mlp_bias = bool(cfg.get("mlp_bias", False))
 
@@ -115,6 +120,12 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
         pre = f"transformer.layers.{local}."
         add(pre + "input_layernorm.weight", (H,), dt, RULE_NORM)
         add(pre + "post_layernorm.weight", (H,), dt, RULE_NORM)
+        if fam is not None and fam.qk_norm:
+            add(pre + "attention.q_layernorm.weight", (D,), dt, RULE_QK)
+            add(pre + "attention.k_layernorm.weight", (D,), dt, RULE_QK)
+        if fam is not None and fam.inter_layernorms:
+            add(pre + "pre_feedforward_layernorm.weight", (H,), dt, RULE_GEMMA)
+            add(pre + "post_feedforward_layernorm.weight", (H,), dt, RULE_GEMMA)
         if attn_bias:
             add(pre + "attention.qkv.bias", (qkv_out,), dt, RULE_QKV)
             if not qwen:
@@ -165,6 +176,24 @@ def _config_problems(cfg: dict) -> list[str]:
     if cfg["architecture"] in QWEN_ARCHS and cfg.get("qwen_type") not in QWEN_TYPES:
         p.append(f"config.json: qwen_type {cfg.get('qwen_type')!r} missing or invalid; TensorRT-LLM's QWen model needs "
                  f"one of {', '.join(QWEN_TYPES)} (rule §1.2 QWenConfig / §3 fix-ups)")
+    if cfg["architecture"] == "Qwen3ForCausalLM" and cfg.get("qwen_type") not in ("qwen3", "qwen3_moe"):
+        p.append(f"config.json: qwen_type {cfg.get('qwen_type')!r} for Qwen3ForCausalLM; TensorRT-LLM builds the "
+                 f"q/k layernorms only for qwen3/qwen3_moe (families.py: QWenDecoderLayer qk_layernorm)")
+    if cfg["architecture"] == "Gemma3ForCausalLM":
+        for k in GEMMA3_FIELDS:
+            if k not in cfg:
+                p.append(f"config.json: Gemma3 field {k!r} missing (families.py: Gemma3ConfigGroup, all required)")
+        if cfg.get("query_pre_attn_scalar") is None:
+            p.append("config.json: query_pre_attn_scalar is null; GemmaConfig asserts it is set for Gemma3")
+        if not cfg.get("_sliding_window_pattern"):
+            p.append("config.json: _sliding_window_pattern must be >= 1 (GemmaDecoderLayer: (i + 1) % pattern)")
+        tp = int((cfg.get("mapping") or {}).get("tp_size", 1))
+        if bool(cfg.get("use_parallel_embedding", False)) != (tp > 1):
+            p.append(f"config.json: use_parallel_embedding {cfg.get('use_parallel_embedding')} but GemmaConfig "
+                     f"forces it to tp_size > 1 ({tp > 1}); the tensors must follow (families.py)")
+    sw = cfg.get("sliding_window")
+    if sw is not None and (not isinstance(sw, int) or isinstance(sw, bool) or sw < 1):
+        p.append(f"config.json: sliding_window {sw!r} must be a positive integer or absent")
     if cfg["position_embedding_type"] != "rope_gpt_neox":
         p.append(f"config.json: position_embedding_type {cfg['position_embedding_type']!r} != 'rope_gpt_neox' "
                  f"for Llama/Qwen2 (rule §1.2)")

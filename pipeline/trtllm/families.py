@@ -96,11 +96,8 @@ def require_family(architecture: str) -> Family:
 
 
 def sliding_window_pattern(hf_cfg: dict) -> int | None:
-    """Gemma 3's period of global layers (every N-th layer is global): HF ``sliding_window_pattern`` or, in
-    transformers 5, derived from ``layer_types`` (``full_attention`` every N-th layer)."""
-    pat = hf_cfg.get("sliding_window_pattern") or hf_cfg.get("_sliding_window_pattern")
-    if pat:
-        return int(pat)
+    """Gemma 3's period of global layers (every N-th layer is global). ``layer_types`` wins when present: transformers
+    5 keeps a stale ``_sliding_window_pattern`` (default 6) in config.json even when layer_types says otherwise."""
     types = hf_cfg.get("layer_types")
     if types:
         full = [i for i, t in enumerate(types) if t == "full_attention"]
@@ -112,7 +109,8 @@ def sliding_window_pattern(hf_cfg: dict) -> int | None:
             raise ForgeError(f"model config: layer_types {types} is not a periodic sliding/global pattern; "
                              f"TensorRT-LLM's Gemma3 takes one _sliding_window_pattern")
         return pat
-    return None
+    pat = hf_cfg.get("sliding_window_pattern") or hf_cfg.get("_sliding_window_pattern")
+    return int(pat) if pat else None
 
 
 def sliding_layers(cfg: dict) -> list[bool]:

@@ -55,3 +55,44 @@ def int8_sq(model, kv_int8=False):
     return model
 
 
+
+
+# ---------------------------------------------------------------- one tiny model per family (issue 13)
+# Each: 4 heads / 2 KV heads (tp 4 duplicates KV heads, the largest valid tp <= 4), 4 layers, odd vocab, and
+# weights large enough that the next-token distribution is peaked (top-1 comparisons are meaningful).
+FAMILY_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                     initializer_range=0.15, tie_word_embeddings=False)
+
+
+def tiny_family(name: str, path: Path, seed: int = 3):
+    """Tiny random model of ``name`` (llama3 | mistral | qwen3 | gemma3), saved to ``path``; returns it (fp32)."""
+    import transformers as tf
+    torch.manual_seed(seed)
+    c = dict(FAMILY_COMMON)
+    if name == "llama3":      # rope_scaling llama3 with a short original context so every band is exercised
+        cfg = tf.LlamaConfig(**c, rope_theta=5e5, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+        cls = tf.LlamaForCausalLM
+    elif name == "mistral":   # window shorter than the test sequences
+        cfg = tf.MistralConfig(**c, sliding_window=16, head_dim=16, rope_theta=1e4)
+        cls = tf.MistralForCausalLM
+    elif name == "qwen3":     # head_dim != hidden / heads, as in Qwen3
+        cfg = tf.Qwen3Config(**c, head_dim=32, rope_theta=1e6)
+        cls = tf.Qwen3ForCausalLM
+    elif name == "gemma3":    # 1 KV head like gemma-3-270m; global every 2nd layer; window 8
+        c.update(num_key_value_heads=1, tie_word_embeddings=True)
+        cfg = tf.Gemma3TextConfig(**c, head_dim=32, sliding_window=8, query_pre_attn_scalar=24,
+                                  layer_types=["sliding_attention", "full_attention"] * 2,
+                                  rope_theta=1e6, rope_local_base_freq=1e4)
+        cls = tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(name)
+    m = cls(cfg).eval()
+    with torch.no_grad():     # non-trivial norm weights (HF inits them to 1 / 0), so a wrong norm shows up
+        for n, p in m.named_parameters():
+            if "norm" in n:
+                p.add_(torch.randn_like(p) * 0.2)
+    m.save_pretrained(path)
+    return m

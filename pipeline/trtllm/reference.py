@@ -55,11 +55,21 @@ from .families import sliding_layers
 LABEL = "checkpoint, reference numerics"
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FP8_MAX = 448.0
-LM_HEAD_ROWS = 16384          # lm_head rows dequantized to fp32 at a time (bounds memory at large vocabularies)
+LM_HEAD_ROWS = 4096           # lm_head rows dequantized to fp32 at a time (bounds memory at large vocabularies)
 # hidden_act of the gated MLP's fc branch. TensorRT-LLM's ``gelu`` is the tanh approximation (families.py).
 _ACTS = {"silu": F.silu, "swiglu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
          "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory back to the OS (glibc keeps freed blocks below its dynamic mmap threshold, which
+    otherwise shows up as resident memory between layers). No-op where malloc_trim does not exist."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def default_device() -> torch.device:
@@ -68,11 +78,17 @@ def default_device() -> torch.device:
 
 @dataclass
 class _Linear:
-    w: torch.Tensor                      # effective (dequantized) weight [out, in], float32, on the compute device
+    """A linear as stored in the checkpoint; ``weight()`` dequantizes it to float32 when it is applied, so a
+    layer stays resident in its stored size and only one linear is float32 at a time."""
+    stored: torch.Tensor                 # the weight as in the file, on the compute device
+    make: Any                            # stored -> effective float32 weight [out, in]
     bias: torch.Tensor | None = None
     act: str | None = None               # None | "int8" | "fp8"
     act_scale: float = 1.0
     prequant: torch.Tensor | None = None  # [in], model dtype values
+
+    def weight(self) -> torch.Tensor:
+        return self.make(self.stored)
 
 
 class ReferenceModel:
@@ -132,7 +148,10 @@ class ReferenceModel:
         return safe_open(str(self.files[rank]), framework="pt")
 
     def _get(self, f, name: str) -> torch.Tensor:
-        return f.get_tensor(name).to(self.device)
+        """``name`` on the compute device, owned: on CPU a copy, because a tensor backed by the file mapping keeps
+        the mapping, and with it every page read through it, resident after the file is closed."""
+        t = f.get_tensor(name)
+        return t.clone() if self.device.type == "cpu" else t.to(self.device)
 
     def _rd(self, t: torch.Tensor) -> torch.Tensor:
         """Round to the checkpoint dtype, keep float32 storage."""
@@ -142,28 +161,30 @@ class ReferenceModel:
         w = self._get(f, prefix + ".weight")
         bias = self._get(f, prefix + ".bias").float() if prefix + ".bias" in names else None
         algo = None if excluded else self.quant_algo
+        rd = self._rd
         if algo == "W8A8_SQ_PER_CHANNEL" and w.dtype == torch.int8:
-            wsf = self._get(f, prefix + ".weights_scaling_factor").float()
-            weff = self._rd(w.float() * wsf.reshape(-1, 1))
+            wsf = self._get(f, prefix + ".weights_scaling_factor").float().reshape(-1, 1)
             asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
-            return _Linear(weff, bias, "int8", asf, self._get(f, prefix + ".prequant_scaling_factor").float())
+            return _Linear(w, lambda t: rd(t.float() * wsf), bias, "int8", asf,
+                           self._get(f, prefix + ".prequant_scaling_factor").float())
         if algo == "FP8" and w.dtype in (torch.int8, torch.float8_e4m3fn):
             wsf = float(f.get_tensor(prefix + ".weights_scaling_factor").reshape(-1)[0])
-            weff = self._rd(w.view(torch.float8_e4m3fn).float() * wsf)
             asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
-            return _Linear(weff, bias, "fp8", asf)
+            return _Linear(w, lambda t: rd(t.view(torch.float8_e4m3fn).float() * wsf), bias, "fp8", asf)
         if algo in ("W8A16", "W4A16"):
             if w.dtype == torch.int8:
                 if algo == "W4A16":
                     raise NotImplementedError("packed int4 weight-only tensors (quint4x2) are not decoded here")
-                pcs = self._get(f, prefix + ".per_channel_scale").float()
-                return _Linear(self._rd(w.float().t() * pcs.reshape(-1, 1)), bias)
+                pcs = self._get(f, prefix + ".per_channel_scale").float().reshape(-1, 1)
+                return _Linear(w, lambda t: rd(t.float().t() * pcs), bias)
             qmax = 127.0 if algo == "W8A16" else 7.0
-            wf = w.float()
-            scale = self._rd(wf.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(1e-12)
-            qw = torch.round(wf / scale).clamp(-qmax - 1, qmax)
-            return _Linear(self._rd(qw * scale), bias)
-        return _Linear(w.float(), bias)
+
+            def rtn(t):   # trtllm-build's per-output-channel symmetric RTN at load (weight_only_quantize_dict)
+                wf = t.float()
+                scale = rd(wf.abs().amax(dim=1, keepdim=True) / qmax).clamp_min(1e-12)
+                return rd(torch.round(wf / scale).clamp(-qmax - 1, qmax) * scale)
+            return _Linear(w, rtn, bias)
+        return _Linear(w, lambda t: t.float(), bias)
 
     def _load_layer(self, rank: int, local: int) -> dict[str, Any]:
         """Layer ``local`` (PP-local index) of ``rank``, dequantized onto the device; the file is closed after."""
@@ -199,7 +220,7 @@ class ReferenceModel:
             else:
                 x = (x / s).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).float() * s
             x = self._rd(x)
-        y = x @ lin.w.t()
+        y = x @ lin.weight().t()
         if lin.bias is not None:
             y = y + lin.bias
         return y
@@ -306,53 +327,54 @@ class ReferenceModel:
         return self._rd(res + mlp)
 
     def _embed(self, ranks: list[int], batches: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Embedding of every batch, reading one rank's table at a time (parallel embedding: masked lookup + sum)."""
+        """Embedding of every batch, reading one rank's table at a time (parallel embedding: masked lookup + sum).
+        On CPU the table stays memory-mapped and only the looked-up rows are read."""
         name = "transformer.vocab_embedding.weight"
         parallel = self.cfg.get("use_parallel_embedding", False)
         dim = int(self.cfg.get("embedding_sharding_dim", 0))
         out: list[Any] = [None] * len(batches)
         for t, rank in enumerate(ranks if parallel else ranks[:1]):
             with self._open(rank) as f:
-                emb = self._get(f, name)
-            for b, ids in enumerate(batches):
-                if not parallel:
-                    part = emb[ids].float()
-                elif dim == 1:
-                    part = emb[ids].float()
-                    out[b] = part if out[b] is None else torch.cat([out[b], part], dim=-1)
-                    continue
-                else:
-                    rows = emb.shape[0]
-                    local = ids - t * rows
-                    ok = (local >= 0) & (local < rows)
-                    part = emb[local.clamp(0, rows - 1)].float() * ok.unsqueeze(-1)
-                out[b] = part if out[b] is None else out[b] + part
-            del emb
+                emb = f.get_tensor(name)
+                emb = emb if self.device.type == "cpu" else emb.to(self.device)
+                for b, ids in enumerate(batches):
+                    if parallel and dim == 0:
+                        rows = emb.shape[0]
+                        local = ids - t * rows
+                        ok = (local >= 0) & (local < rows)
+                        part = emb[local.clamp(0, rows - 1)].float() * ok.unsqueeze(-1)
+                        out[b] = part if out[b] is None else out[b] + part
+                    else:                                  # replicated, or split on the hidden dim (concat)
+                        part = emb[ids].float()
+                        out[b] = part if out[b] is None else torch.cat([out[b], part], dim=-1)
+                del emb
         if self.emb_scale is not None:      # GemmaModel: cast(emb * sqrt(hidden_size), dtype)
             out = [self._rd(self._rd(e) * self.emb_scale) for e in out]
         return [self._rd(e) for e in out]
 
-    def _head_shards(self, ranks: list[int]) -> list[tuple[torch.Tensor, _Linear | torch.Tensor]]:
-        """(ln_f, lm_head) per last-stage rank; lm_head stays in the checkpoint dtype (made fp32 a chunk at a time)."""
-        out = []
-        for rank in ranks:
-            with self._open(rank) as f:
-                names = set(f.keys())
-                ln_f = self._get(f, "transformer.ln_f.weight").float()
-                if "lm_head.bias" in names:
-                    head = self._linear(f, names, "lm_head", excluded=True)
-                elif "lm_head.weight" in names:
-                    head = self._get(f, "lm_head.weight")
-                else:                                      # shared embedding table (pp 1)
-                    head = self._get(f, "transformer.vocab_embedding.weight")
-            out.append((ln_f, head))
-        return out
-
-    def _head(self, x: torch.Tensor, head) -> torch.Tensor:
-        if isinstance(head, _Linear):
-            return self._apply(head, x)
-        return torch.cat([x @ head[r:r + LM_HEAD_ROWS].float().t() for r in range(0, head.shape[0], LM_HEAD_ROWS)],
-                         dim=-1)
+    def _head_into(self, out: torch.Tensor, col: int, rank: int, h: torch.Tensor) -> int:
+        """Write rank ``rank``'s ln_f + lm_head shard of the logits of ``h`` into ``out[..., col:]``; returns the
+        shard width. The shard is read LM_HEAD_ROWS rows at a time (file reopened per chunk, so its pages do not
+        accumulate) and made fp32 one chunk at a time."""
+        with self._open(rank) as f:
+            names = set(f.keys())
+            x = self._rms(h, self._get(f, "transformer.ln_f.weight").float())
+            if "lm_head.bias" in names:
+                y = self._apply(self._linear(f, names, "lm_head", excluded=True), x)
+                width = min(y.shape[-1], out.shape[-1] - col)
+                out[..., col:col + width] = y[..., :width].to(out.device)
+                return y.shape[-1]
+            name = "lm_head.weight" if "lm_head.weight" in names else "transformer.vocab_embedding.weight"
+            rows = f.get_slice(name).get_shape()[0]      # shared embedding table (pp 1) when no lm_head
+        for r in range(0, rows, LM_HEAD_ROWS):
+            if col + r >= out.shape[-1]:
+                break                                     # vocab padding rows
+            with self._open(rank) as f:                   # reopened per chunk: its pages leave with the handle
+                chunk = f.get_slice(name)[r:r + LM_HEAD_ROWS]
+            y = x @ chunk.to(self.device).float().t()
+            width = min(y.shape[-1], out.shape[-1] - col - r)
+            out[..., col + r:col + r + width] = y[..., :width].to(out.device)
+        return rows
 
     # ------------------------------------------------------------------ forward
     def _ids(self, input_ids: Any, attention_mask: Any | None = None) -> torch.Tensor:
@@ -398,13 +420,21 @@ class ReferenceModel:
                     sliding = self.sliding[layer]
                     hs = [self._layer(lays, h, *rope_mask(h.shape[1], sliding)) for h in hs]
                     del lays
-            heads = self._head_shards(list(range((self.pp - 1) * self.tp, self.pp * self.tp)))
+                    if self.device.type == "cpu":
+                        _trim_heap()
+            if self.device.type == "cpu":
+                _trim_heap()
+            last = list(range((self.pp - 1) * self.tp, self.pp * self.tp))
             for b in range(len(hs)):
                 h, hs[b] = hs[b], None
-                lg = torch.cat([self._head(self._rms(h, ln_f), head) for ln_f, head in heads], dim=-1)[..., :self.V]
+                B, T, _ = h.shape
+                lg = torch.empty(B, T, self.V, dtype=torch.float32)   # all-gather into place, vocab padding cut
+                col = 0
+                for rank in last:
+                    col += self._head_into(lg, col, rank, h)
                 if self.final_softcap:
                     lg = torch.tanh(lg / self.final_softcap) * self.final_softcap
-                yield lg.float().cpu()   # all-gather, drop vocab padding
+                yield lg
         finally:
             torch.backends.cuda.matmul.allow_tf32 = prev_tf32
 

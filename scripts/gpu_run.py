@@ -1,9 +1,11 @@
-"""Issue 7's GPU run: quantize/QAT on CUDA and a Qwen2-7B-shaped checkpoint at real scale.
+"""Issue 7's GPU run: quantize/QAT on CUDA and a Qwen2-7B-shaped checkpoint at real scale; issue 13's streaming
+reference numerics (``--stream-ref``): peak host RSS and wall of a 16 x 512-token evaluation on CPU and CUDA.
 
 Runs on a machine with an NVIDIA GPU and PyTorch; writes JSON results to OUT. Everything here uses
 forge's own modules (the same code the stages call). No TensorRT / TensorRT-LLM is needed or used.
 
     python scripts/gpu_run.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --home FORGE_HOME --out OUT [--skip-smol] [--skip-7b]
+    python scripts/gpu_run.py --home /tmp --out OUT --skip-smol --stream-ref     # issue 13 (7B int8_sq + INT8 KV, tp 2)
 """
 
 from __future__ import annotations
@@ -123,10 +125,41 @@ def qwen7b(args, results):
     with stage(results, "qwen7b: contract check"):
         results["qwen7b_contract"] = check_contract(out) or "passed"
     with stage(results, "qwen7b: reference numerics (CPU, 2 x 64 tokens)"):
-        rm = ReferenceModel(out, threads=os.cpu_count())
+        rm = ReferenceModel(out, threads=os.cpu_count(), device="cpu")
         lg = rm.logits(probe)
         results["qwen7b_reference_vs_fp16"] = compare_logits(ref, lg[..., :ref.shape[-1]], probe)
         results["qwen7b_reference_vs_simulated"] = compare_logits(sim, lg[..., :ref.shape[-1]], probe)
+
+
+def stream_ref(args, results):
+    """Issue 13: the 7B tp 2 int8_sq + INT8-KV checkpoint of ``qwen7b`` through the streaming reference numerics,
+    16 x 512 tokens, 2 windows per forward (as the evaluate_checkpoint stage calls it), CUDA then CPU, each in a
+    fresh process (scripts/reference_memory.py) so its peak RSS is its own."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from reference_memory import measure
+
+    out = Path(args.work) / "qwen7b-ckpt"
+    if not (out / "config.json").exists():
+        raise RuntimeError(f"{out}: no checkpoint; run without --skip-7b first (same --work)")
+    g = torch.Generator().manual_seed(2)
+    vocab = json.loads((out / "config.json").read_text())["vocab_size"]
+    ids = torch.randint(0, min(32000, vocab), (args.ref_samples, args.ref_seq_len), generator=g)
+    ids_path = Path(args.work) / "ref_ids.pt"
+    torch.save(ids, ids_path)
+    top1 = {}
+    runs = [("cuda", "per-batch"), ("cuda", "one")] if torch.cuda.is_available() else []
+    runs += [("cpu", "per-batch")]
+    for device, passes in runs:
+        name = f"reference numerics {device}, {args.ref_samples}x{args.ref_seq_len}, batch 2, passes={passes}"
+        with stage(results, name):
+            t1 = Path(args.work) / f"top1-{device}-{passes}.pt"
+            res = measure(out, device, samples=args.ref_samples, seq_len=args.ref_seq_len, batch=2, passes=passes,
+                          threads=os.cpu_count() if device == "cpu" else None, ids=ids_path, top1_out=t1)
+            results.setdefault("stream_ref", {})[f"{device}/{passes}"] = res
+            top1[(device, passes)] = torch.load(t1)
+    if ("cpu", "per-batch") in top1 and ("cuda", "per-batch") in top1:
+        a, b = top1[("cpu", "per-batch")], top1[("cuda", "per-batch")]
+        results["stream_ref_cpu_vs_cuda_top1_agreement"] = float((a == b).float().mean())
 
 
 def main():
@@ -141,6 +174,9 @@ def main():
     ap.add_argument("--qwen-config", help="HF config.json to use instead of Qwen2.5-7B's (dry runs)")
     ap.add_argument("--skip-smol", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
+    ap.add_argument("--stream-ref", action="store_true", help="issue 13: streaming reference numerics, CPU and CUDA")
+    ap.add_argument("--ref-samples", type=int, default=16)
+    ap.add_argument("--ref-seq-len", type=int, default=512)
     args = ap.parse_args()
     Path(args.work).mkdir(parents=True, exist_ok=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -151,6 +187,8 @@ def main():
             smollm2(args, results)
         if not args.skip_7b:
             qwen7b(args, results)
+        if args.stream_ref:
+            stream_ref(args, results)
     finally:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "gpu_run.json").write_text(json.dumps(results, indent=2, default=str))

@@ -160,7 +160,8 @@ def render(res: dict) -> str:
           "ModelOpt's weight-only fake-quant presets so that the loss of the format is visible.",
           "- FP8 (weights/activations or KV cache) can be exported anywhere but its engine needs sm89+ (Ada/Hopper).",
           "- Valid int4 group sizes for SmolLM2 (inputs 576 and 1536 wide): 32, 64, 96, 192; 128 is rejected at plan "
-          "time (`quantize.block_size`).", ""]
+          "time (`quantize.block_size`).",
+          "- Per-token SmoothQuant (`W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN`) is not offered yet. TensorRT-LLM 1.2 does load it, but only through its plugin module swap (`SmoothQuantAttention` / `SmoothQuantGatedMLP` / `SmoothQuantRmsNorm` in `tensorrt_llm/quantization/layers.py`, chosen by `quantize.py` for the `W8A8_SQ_PLUGIN_LIST` algos; tensor names in shared/docs/trtllm-reference.md §1.8). That path reads a different tensor set from the one ModelOpt exports (`W8A8_SQ_PER_CHANNEL`): `per_channel_scale` `[1, out]` instead of `weights_scaling_factor`, no activation scale, `smoother` on `dense` / `proj`, and the qkv / fc+gate smoothing folded into the RMSNorm weights plus `scale_to_int`. ModelOpt 0.47 cannot export it, so forge would have to rewrite ModelOpt's int8_sq checkpoint into that layout, with its own contract rules and reference numerics (dynamic per-token activation scales max|x|/127). That was not done in issue 13's session, so the accuracy gain on SmolLM2 (static per-tensor int8_sq: +23 to +30 % perplexity) is still unmeasured.", ""]
     return "\n".join(L)
 
 

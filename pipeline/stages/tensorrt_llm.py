@@ -129,6 +129,7 @@ class TrtllmCheckpoint(Stage):
 
 class CheckpointEvaluate(EvaluateBase):
     name = "evaluate_checkpoint"
+    version = "2"   # 2: streaming reference numerics (one layer resident, CUDA when present) and new families
     needs = ("checkpoint", "source", "quantize")
     subject = "tensorrt_llm checkpoint, reference numerics (not an engine)"
     description = "checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32"

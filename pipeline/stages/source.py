@@ -26,7 +26,7 @@ class SourceStage(Stage):
         spec = r.model.source
         if spec.startswith("builtin:"):
             try:
-                b, gguf = src.builtin_gguf(spec.split(":", 1)[1])
+                b, gguf = src.builtin_gguf(spec.split(":", 1)[1], home)
             except Exception as e:  # missing wheel: plan still works; run reports the fix
                 return {"model": f"unavailable: {e}"}
             return {"model": file_digest(gguf), "converter": src.CONVERTER_VERSION}

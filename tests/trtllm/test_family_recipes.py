@@ -63,3 +63,16 @@ def test_qwen3_tp_rules_at_plan():
     p = forge("plan", "qwen3-8b-fp16", "--set", "build.tensorrt_llm.tp=3")
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 2 and "build.tensorrt_llm.tp: 3 does not divide the 32 attention heads" in out, out
+
+
+def test_gemma3_recipe_plans_and_fp16_is_refused():
+    p = forge("plan", "gemma3-270m-trtllm")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 0 and "Traceback" not in out, out
+    p = forge("plan", "gemma3-270m-trtllm", "--set", "build.tensorrt_llm.dtype=float16")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 2 and "float16 overflows Gemma 3's residual stream" in out, out
+    g = ModelInfo.bundled("google/gemma-3-270m")
+    assert g.global_every == 6 and g.sliding_window == 512 and g.sliding_layers_in(18) == 15
+    assert g.qk_norm and g.norms_per_layer == 4 and g.rope_theta == 1e6
+    assert abs(g.num_params / 268.1e6 - 1) < 0.01        # published: 268 M (170 M embedding + 100 M blocks)

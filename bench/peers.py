@@ -11,7 +11,6 @@ Each peer is skipped with the reason when its package (or input) is missing.
 from __future__ import annotations
 
 import ctypes
-import importlib.metadata as md
 import importlib.util
 import json
 import subprocess
@@ -21,14 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.env import tool_version as _version
+
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        return None
 
 
 def shipped_gguf() -> Path | None:

@@ -14,13 +14,13 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from bench.measure import measure_adapter, ratio
+from pipeline.env import process_peak_rss_bytes
 
 HERE = Path(__file__).parent
 METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/s (4x256)"),
@@ -29,21 +29,14 @@ METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/
 
 # ----------------------------------------------------------------------------- facts
 def machine_facts(threads: int) -> dict:
-    from pipeline.doctor import _cpu_model
+    from pipeline.env import cpu_model, tool_version
 
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count()
-    vers = {}
-    for d in ("onnxruntime", "onnxruntime-genai", "llama-cpp-python", "torch", "numpy"):
-        try:
-            import importlib.metadata as md
-
-            vers[d] = md.version(d)
-        except Exception:
-            vers[d] = None
-    return {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
+    vers = {d: tool_version(d) for d in ("onnxruntime", "onnxruntime-genai", "llama-cpp-python", "torch", "numpy")}
+    return {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
             "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
             "os": platform.platform(), "python": platform.python_version(), "versions": vers,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -160,7 +153,7 @@ def worker(spec_path: str) -> None:
                           progress=lambda m: print(f"  [{time.strftime('%H:%M:%S')}] {m}", file=sys.stderr,
                                                    flush=True))
     res.update(kind=spec["kind"], path=spec["path"], load_s=load_s, size_bytes=dir_size(spec["path"]),
-               peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, note=spec.get("note"))
+               peak_rss_bytes=process_peak_rss_bytes(), note=spec.get("note"))
     Path(spec["result"]).write_text(json.dumps(res, indent=1))
 
 

@@ -27,8 +27,10 @@ from typing import Iterator
 
 from filelock import FileLock, Timeout
 
-from .env import cache_root
+from .env import atomic_write, cache_root, publish_dir
+from .errors import ForgeError
 from .hashing import sha256_json, tree_digest
+from .status import Status
 
 
 def default_root() -> Path:
@@ -108,12 +110,12 @@ class ArtifactCache:
         """'hit', 'miss' or 'corrupt' without changing anything (used by plan)."""
         d = self._entry_dir(key)
         if not (d / "meta.json").exists():
-            return "miss"
+            return Status.MISS
         try:
             ok = tree_digest(d / "payload") == read_meta(d)["payload_digest"]
         except (OSError, BadEntry):
             ok = False
-        return "hit" if ok else "corrupt"
+        return Status.HIT if ok else Status.CORRUPT
 
     def _quarantine(self, d: Path, why: str) -> None:
         dest = self.root / "tmp" / f"corrupt-{d.name}-{uuid.uuid4().hex[:8]}"
@@ -191,13 +193,9 @@ class ArtifactCache:
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
         dest = self._entry_dir(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            # another run committed the same key first: keep theirs if intact
-            shutil.rmtree(tmp, ignore_errors=True)
-            if self.get(key) is None:
-                raise
+        if not publish_dir(tmp, dest) and self.get(key) is None:   # another run committed it first: keep theirs
+            raise ForgeError(f"cache entry {key[:16]} was committed by another run but does not verify; "
+                             "`forge cache verify` says more")
         return Entry(key, dest)
 
     # ------------------------------------------------------------ index (why did it change)
@@ -205,11 +203,8 @@ class ArtifactCache:
         return self.root / "index" / recipe / f"{stage}.json"
 
     def record(self, recipe: str, stage: str, key: str, components: dict) -> None:
-        f = self._index_file(recipe, stage)
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_suffix(f".{uuid.uuid4().hex[:8]}.tmp")
-        tmp.write_text(json.dumps({"key": key, "components": components}, sort_keys=True, default=str))
-        os.replace(tmp, f)
+        atomic_write(self._index_file(recipe, stage),
+                     json.dumps({"key": key, "components": components}, sort_keys=True, default=str))
 
     def last(self, recipe: str, stage: str) -> dict | None:
         f = self._index_file(recipe, stage)

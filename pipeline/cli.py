@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import (EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, ForgeError, RecipeError, UsageError,
-                     exit_code)
+from .errors import ForgeError, RecipeError, UsageError
+from .status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, Status, exit_code
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Build validated inference engines and Triton model repositories from recipes.")
@@ -75,7 +75,7 @@ def _plan_table(runner, plans) -> Table:
     t.add_column("status")
     t.add_column("key")
     t.add_column("why")
-    colors = {"hit": "green", "miss": "cyan", "cannot-run-here": "yellow", "blocked": "yellow", "corrupt": "red"}
+    colors = {Status.HIT: "green", Status.MISS: "cyan", Status.CANNOT_RUN_HERE: "yellow", Status.BLOCKED: "yellow", Status.CORRUPT: "red"}
     for p in plans:
         t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12], escape(p.reason))
     return t
@@ -117,13 +117,9 @@ def _print_memory_brief(runner) -> None:
 
 
 def _link(dest: Path, target: str | None) -> None:
-    if not target:
-        return
-    tmp = dest.with_name(dest.name + ".tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    tmp.symlink_to(target)
-    os.replace(tmp, dest)
+    from .env import atomic_symlink
+    if target:
+        atomic_symlink(dest, target)
 
 
 @app.command()
@@ -156,14 +152,14 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
         except UsageError as e:
             err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
-            statuses[shown] = "invalid"
+            statuses[shown] = Status.INVALID
             _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
             if not keep_going:
                 break
             continue
         except ForgeError as e:         # a problem outside any stage (e.g. the cache location is unusable)
             err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-            statuses[shown] = "failed"
+            statuses[shown] = Status.FAILED
             if not keep_going:
                 break
             continue
@@ -177,10 +173,10 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
         statuses[r.name] = overall_status(results)
         for x in results:
-            if x.status == "cannot-run-here":
+            if x.status == Status.CANNOT_RUN_HERE:
                 err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
                 break
-        if statuses[r.name] == "failed" and not keep_going:
+        if statuses[r.name] == Status.FAILED and not keep_going:
             break
     if len(recipes) > 1:
         _write_safely(lambda: write_summary(statuses, report_dir))
@@ -364,7 +360,7 @@ def _package_of(recipe: str, set_) -> Path:
     r = _resolve(recipe, set_)
     plans = {p.name: p for p in Runner(r).plan()}
     p = plans.get("package")
-    if p is None or p.status != "hit":
+    if p is None or p.status != Status.HIT:
         raise ForgeError(f"recipe {r.name} has no packaged repository in the cache: run `forge build {r.name}` first")
     from .cache import ArtifactCache
     entry = ArtifactCache().get(p.key, verify=True, use_stat_cache=False)   # every byte: it leaves the cache

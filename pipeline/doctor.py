@@ -11,14 +11,14 @@ an NVIDIA driver the report says so as a finding and still lists versions and ho
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import importlib.util
 import os
 import platform
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
+
+from .env import TOOLS, cpu_model, nvml_sm, tool_version
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -38,21 +38,9 @@ THROTTLE_BITS = {
     0x100: "display_clock_setting",
 }
 
-# distribution names to report (first one installed wins for each label)
-PACKAGES = {
-    "torch": ["torch"],
-    "transformers": ["transformers"],
-    "modelopt": ["nvidia-modelopt"],
-    "onnx": ["onnx"],
-    "onnxruntime": ["onnxruntime", "onnxruntime-gpu"],
-    "onnxruntime_genai": ["onnxruntime-genai", "onnxruntime-genai-cuda"],
-    "tensorrt": ["tensorrt", "tensorrt-cu13", "tensorrt-cu12"],
-    "tensorrt_llm": ["tensorrt-llm", "tensorrt_llm"],
-    "tritonclient": ["tritonclient"],
-    "pytriton": ["nvidia-pytriton"],
-    "nvidia_ml_py": ["nvidia-ml-py"],
-    "llama_cpp_python": ["llama-cpp-python"],
-}
+# tools to report (pipeline.env.TOOLS labels: the first installed distribution of each wins)
+REPORTED = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "onnxruntime_genai", "tensorrt", "tensorrt_llm",
+            "tritonclient", "pytriton", "nvidia_ml_py", "llama_cpp_python")
 REQUIRED = {
     "torch": "no stage can load a model",
     "transformers": "the source / export / quantize stages cannot load the HF model",
@@ -69,19 +57,10 @@ def _finding(severity: str, message: str, fix: str = "") -> dict:
     return {"severity": severity, "message": message, "fix": fix}
 
 
-def _dist_version(names: list[str]) -> str | None:
-    for n in names:
-        try:
-            return md.version(n)
-        except md.PackageNotFoundError:
-            continue
-    return None
-
-
 def collect_versions() -> dict[str, Any]:
     v: dict[str, Any] = {"python": platform.python_version()}
-    for label, dists in PACKAGES.items():
-        v[label] = _dist_version(dists)
+    for label in REPORTED:
+        v[label] = tool_version(label)
     v["torch_cuda"] = None
     if v["torch"] and importlib.util.find_spec("torch"):
         try:
@@ -99,7 +78,7 @@ def collect_versions() -> dict[str, Any]:
         except Exception as e:
             v["onnxruntime_import_error"] = f"{type(e).__name__}: {e}"
     v["tritonserver"] = _tritonserver_version(v.get("pytriton"))
-    v["requests"] = _dist_version(["requests"])
+    v["requests"] = tool_version("requests")
     return v
 
 
@@ -115,16 +94,6 @@ def _tritonserver_version(pytriton: str | None) -> dict | None:
             return {"path": str(exe2), "version": PYTRITON_TRITONSERVER.get(pytriton),
                     "via": f"nvidia-pytriton {pytriton}"}
     return None
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _cpulist(s: str) -> list[int]:
@@ -170,7 +139,7 @@ def collect_host() -> dict[str, Any]:
         affinity = list(range(os.cpu_count() or 1))
     return {
         "os": platform.platform(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "process_cpus": _compact(affinity),
         "process_cpu_count": len(affinity),
@@ -224,7 +193,7 @@ def collect_gpus(nvml) -> tuple[dict, list[dict]]:
         ncpu = os.cpu_count() or 1
         for i in range(nvml.nvmlDeviceGetCount()):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
-            cc = _call(nvml, "nvmlDeviceGetCudaComputeCapability", h)
+            sm = nvml_sm(nvml, h)
             mem = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
             reasons = _call(nvml, "nvmlDeviceGetCurrentClocksEventReasons", h)
             if reasons is None:
@@ -236,7 +205,7 @@ def collect_gpus(nvml) -> tuple[dict, list[dict]]:
             g = {
                 "index": i,
                 "name": _call(nvml, "nvmlDeviceGetName", h),
-                "sm": f"{cc[0]}.{cc[1]}" if cc else None,
+                "sm": f"{sm // 10}.{sm % 10}" if sm is not None else None,
                 "memory_total_bytes": getattr(mem, "total", None),
                 "memory_used_bytes": getattr(mem, "used", None),
                 "pcie": {
@@ -405,8 +374,8 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
                                  "on a GPU machine: pip install tensorrt (wheels come from NVIDIA's package index)"))
     for label, what in REQUIRED.items():
         if not versions.get(label):
-            findings.append(_finding("error", f"{PACKAGES[label][0]} is not installed: {what}",
-                                     f"pip install {PACKAGES[label][0]} (`make setup` installs everything forge "
+            findings.append(_finding("error", f"{TOOLS[label][0]} is not installed: {what}",
+                                     f"pip install {TOOLS[label][0]} (`make setup` installs everything forge "
                                      f"needs)"))
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f["severity"]])
@@ -426,7 +395,7 @@ def render_doctor(report: dict, console) -> None:
             val = " ".join(f"{a}={b}" for a, b in val.items() if b)
         elif isinstance(val, list):
             val = ", ".join(map(str, val))
-        missing = "[dim]not installed[/dim]" if k in PACKAGES or k == "tritonserver" else "[dim]-[/dim]"
+        missing = "[dim]not installed[/dim]" if k in REPORTED or k == "tritonserver" else "[dim]-[/dim]"
         t.add_row(k, missing if val is None else str(val))
     console.print(t)
     h = report["host"]
@@ -455,15 +424,3 @@ def render_doctor(report: dict, console) -> None:
         console.print(f"[{c}]{f['severity']}[/{c}]: {f['message']}")
         if f["fix"]:
             console.print(f"    fix: {f['fix']}")
-
-
-if __name__ == "__main__":  # python -m pipeline.doctor [--json]
-    import json
-
-    rep = run_doctor()
-    if "--json" in sys.argv:
-        print(json.dumps(rep, indent=2))
-    else:
-        from rich.console import Console
-
-        render_doctor(rep, Console())

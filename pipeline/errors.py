@@ -1,13 +1,6 @@
-"""Error types the CLI shows as plain messages (no traceback), and the one map from outcome to exit code."""
+"""Error types the CLI shows as plain messages (no traceback); their exit codes are in pipeline/status.py."""
 
 from __future__ import annotations
-
-# Exit codes of every forge command (README "Exit codes").
-EXIT_OK = 0
-EXIT_FAILED = 1          # a stage failed, a check found a problem
-EXIT_BAD_INPUT = 2       # bad recipe, override, name or argument
-EXIT_INCOMPLETE = 3      # a stage cannot run on this machine
-EXIT_INTERRUPTED = 130   # Ctrl-C / SIGTERM; partial work removed
 
 MAX_PROBLEMS_SHOWN = 50  # a recipe with thousands of mistakes is reported by its first ones
 
@@ -50,11 +43,3 @@ class CannotRunHere(ForgeError):
             msg += f"; finish on a machine that has it with: {finish_hint}"
         super().__init__(msg)
 
-
-# A run's overall outcome -> exit code; with several recipes the first of these that any recipe has wins.
-EXIT_BY_OUTCOME = {"invalid": EXIT_BAD_INPUT, "failed": EXIT_FAILED, "incomplete": EXIT_INCOMPLETE, "passed": EXIT_OK}
-
-
-def exit_code(outcomes) -> int:
-    seen = set(outcomes)
-    return next((code for outcome, code in EXIT_BY_OUTCOME.items() if outcome in seen), EXIT_OK)

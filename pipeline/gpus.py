@@ -13,6 +13,15 @@ from .errors import ForgeError
 MiB = 1024**2
 GiB = 1024**3
 
+# FP8 tensor cores (FP8 GEMMs and the FP8 KV cache of TensorRT / TensorRT-LLM) start at SM 8.9 (Ada) and 9.0 (Hopper).
+FP8_MIN_SM = 89
+
+
+def min_sm(algo: str, kv_cache: str = "none") -> int | None:
+    """Lowest compute capability (89 = 8.9) an engine of this quantization setting runs on; None = any GPU.
+    The fake-quantized checkpoint itself can be produced anywhere (also on CPU)."""
+    return FP8_MIN_SM if "fp8" in (algo, kv_cache) else None
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -29,8 +38,7 @@ class GpuSpec:
 
     @property
     def has_fp8(self) -> bool:
-        """FP8 tensor cores (and TensorRT-LLM FP8 / FP8 KV cache) need SM 8.9 (Ada) or 9.0 (Hopper) and later."""
-        return self.sm >= (8, 9)
+        return self.sm[0] * 10 + self.sm[1] >= FP8_MIN_SM
 
     def to_dict(self) -> dict:
         d = asdict(self)

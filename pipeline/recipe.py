@@ -35,8 +35,9 @@ MAX_GPUS = 64
 
 
 class Section(BaseModel):
-    # NaN/inf are never meaningful in a recipe (a NaN threshold passes or fails every gate silently)
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+    # NaN/inf are never meaningful in a recipe (a NaN threshold passes or fails every gate silently); strict: no
+    # silent coercion ("64" is not 64, "yes" is not true) -- YAML and --set already give typed values
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False, strict=True)
 
 
 # ---------------------------------------------------------------- model / data
@@ -59,8 +60,8 @@ class CalibrationSection(Section):
     set: str = "sotu"
     split: str = "calib"
     samples: int = Field(32, gt=0, le=MAX_SAMPLES)
-    seq_len: int = Field(256, gt=1, le=MAX_SEQ_LEN)
-    batch: int = Field(4, gt=0, le=MAX_BATCH)
+    seq_len: int = Field(256, ge=8, le=MAX_SEQ_LEN, description="also at most the model's max_position_embeddings")
+    batch: int = Field(4, gt=0, le=256)
     seed: int = Field(0, ge=0, le=MAX_SEED)
 
 
@@ -79,18 +80,19 @@ class ExportSection(Section):
 # ---------------------------------------------------------------- quantize
 class DistillSection(Section):
     enabled: bool = False
-    temperature: float = Field(2.0, gt=0, le=100)
-    alpha: float = Field(1.0, ge=0, le=1, description="weight of the KL term vs the LM loss")
+    temperature: float = Field(2.0, gt=0, le=20)
+    alpha: float = Field(1.0, ge=0, le=1, description="loss = alpha * T^2 * KL(teacher || student) + (1 - alpha) * "
+                                                       "cross-entropy")
 
 
 class QatSection(Section):
     epochs: int = Field(1, ge=1, le=3)
-    lr: float = Field(1e-5, gt=0, lt=1)
+    lr: float = Field(1e-5, gt=0, le=1e-2)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    warmup_steps: int = Field(0, ge=0, le=10**6)
-    batch: int = Field(4, gt=0, le=MAX_BATCH)
+    warmup_steps: int = Field(0, ge=0, le=10**6, description="fewer than the run's steps, epochs x ceil(samples / batch)")
+    batch: int = Field(4, gt=0, le=256)
     samples: int = Field(64, gt=0, le=100000)
-    seq_len: int = Field(256, gt=1, le=MAX_SEQ_LEN)
+    seq_len: int = Field(256, ge=8, le=MAX_SEQ_LEN, description="also at most the model's max_position_embeddings")
     seed: int = Field(0, ge=0, le=MAX_SEED)
     set: str = "sotu"
     split: str = "train"
@@ -103,10 +105,15 @@ QuantAlgo = Literal["none", "int8", "int8_sq", "int8_wo", "int4_wo", "int4_awq",
 class QuantizeSection(Section):
     method: Literal["ptq", "qat", "none"] = "ptq"
     algo: QuantAlgo = "none"
-    alpha: Optional[float] = Field(None, ge=0, le=1, description="SmoothQuant migration strength")
-    block_size: Optional[int] = Field(None, gt=0, le=65536, description="group size for int4 (AWQ / weight-only)")
-    kv_cache: Literal["none", "int8", "fp8"] = "none"
-    options: dict[str, Any] = Field(default_factory=dict, description="target-specific quantizer options")
+    alpha: Optional[float] = Field(None, ge=0, le=1, description=(
+        "SmoothQuant migration strength (tensorrt_llm int8_sq: default 1.0, ModelOpt's; onnxruntime int8: "
+        "quantize.options.smoothquant_alpha)"))
+    block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
+        "int4 group size (tensorrt_llm: default 128 where it divides every width; onnxruntime: "
+        "quantize.options.block_size)"))
+    kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="tensorrt_llm: quantized KV cache")
+    options: dict[str, Any] = Field(default_factory=dict, description=(
+        "the quantizer's options: one schema per build.target and algo, pipeline/recipe_options.py"))
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     qat: QatSection = Field(default_factory=QatSection)
 
@@ -482,12 +489,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+# ---------------------------------------------------------------- messages
 def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
     return [f.alias or n for n, f in model_cls.model_fields.items()]
 
 
-def _model_at(loc: tuple) -> type[BaseModel] | None:
-    cls: Any = Recipe
+def _model_at(loc: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:
+    """The model class that holds the last key of ``loc`` (walking from ``root``, the Recipe by default)."""
+    cls: Any = root or Recipe
     for part in loc[:-1]:
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return None
@@ -511,24 +520,69 @@ def _value(v) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _describe(err: dict, source: str) -> str:
+_NUMERIC_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "int_type", "int_parsing",
+                   "float_type", "float_parsing", "finite_number", "int_from_float"}
+
+
+def _range(cls: type[BaseModel] | None, name) -> str | None:
+    """'an integer in [1, 4096]', 'a number in (0, 0.01]', 'a number >= 0': the declared bounds of a field."""
+    field = cls.model_fields.get(name) if cls is not None and isinstance(name, str) else None
+    if field is None:
+        return None
+    b = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in field.metadata
+         if type(m).__name__ in ("Ge", "Gt", "Le", "Lt")}
+    kind = "an integer" if int in (field.annotation, *getattr(field.annotation, "__args__", ())) else "a number"
+    lo = f"[{b['Ge']}" if "Ge" in b else (f"({b['Gt']}" if "Gt" in b else None)
+    hi = f"{b['Le']}]" if "Le" in b else (f"{b['Lt']})" if "Lt" in b else None)
+    if lo and hi:
+        return f"{kind} in {lo}, {hi}"
+    if lo or hi:
+        return f"{kind} {'>=' if 'Ge' in b else '>' if 'Gt' in b else '<=' if 'Le' in b else '<'} " \
+               f"{b.get('Ge', b.get('Gt', b.get('Le', b.get('Lt'))))}"
+    return None
+
+
+def _describe(err: dict, source: str | None, root: type[BaseModel] | None = None, prefix: tuple = ()) -> str:
+    """One validation error as a message naming the key path (from ``prefix``): with a ``source`` (the recipe
+    file) as ``FILE: key = value: what is allowed``; without, as ``key: what is allowed`` (plan-time checks)."""
     loc = tuple(err["loc"])
-    path = ".".join(str(p) for p in loc)
+    path = ".".join(str(p) for p in prefix + loc)
     kind = err["type"]
-    if path == "name" and kind == "string_pattern_mismatch":
-        return (f"{source}: name = {_value(err.get('input'))} is not a valid recipe name: use {NAME_RULE} "
-                "(it names the report directory and the cache index; set `name:` in the recipe)")
+    where = f"{source}: " if source else ""
+    cls = _model_at(loc, root)
     if kind == "extra_forbidden":
-        cls = _model_at(loc)
         allowed = _allowed_keys(cls) if cls else []
         close = difflib.get_close_matches(str(loc[-1]), allowed, n=1)
-        hint = f"; did you mean '{'.'.join(str(p) for p in loc[:-1] + (close[0],))}'?" if close else ""
-        return f"{source}: unknown key '{path}'{hint} (allowed here: {', '.join(allowed)})"
+        hint = f"; did you mean '{'.'.join(str(p) for p in prefix + loc[:-1] + (close[0],))}'?" if close else ""
+        here = f"allowed here: {', '.join(allowed)}" if allowed else "no key is allowed here"
+        if source:
+            return f"{source}: unknown key '{path}'{hint} ({here})"
+        return f"{path}: unknown key{hint} ({here})"
+    shown = f" = {_value(err.get('input'))}" if source else ""
+    got = "" if source else f", got {_value(err.get('input'))}"
+    if path == "name" and kind == "string_pattern_mismatch":
+        return (f"{where}name{shown} is not a valid recipe name: use {NAME_RULE} "
+                "(it names the report directory and the cache index; set `name:` in the recipe)")
+    if kind in _NUMERIC_ERRORS and (bounds := _range(cls, loc[-1])):
+        return f"{where}{path}{shown}: must be {bounds}{got}"
     if kind == "literal_error":
-        return f"{source}: {path} = {_value(err.get('input'))} is not allowed: {err['msg']}"
+        if source:
+            return f"{source}: {path}{shown} is not allowed: {err['msg']}"
+        return f"{path}: {_value(err.get('input'))} is not allowed: {err['msg']}"
     if kind == "missing":
-        return f"{source}: {path} is required"
-    return f"{source}: {path} = {_value(err.get('input'))}: {err['msg']}"
+        return f"{where}{path} is required"
+    return f"{where}{path}{shown}: {err['msg'].removeprefix('Value error, ')}{got}"
+
+
+def section_problems(model: type[BaseModel], data, prefix: tuple, source: str | None = None) -> list[str]:
+    """Schema problems of ``data`` validated as ``model`` (at most MAX_PROBLEMS_SHOWN described)."""
+    try:
+        model.model_validate(data)
+        return []
+    except ValidationError as e:
+        errors = e.errors()
+    shown = [_describe(err, source, model, prefix) for err in errors[:MAX_PROBLEMS_SHOWN]]
+    return shown + [f"{source or '.'.join(prefix)}: ..."] * (len(errors) - len(shown))
 
 
 def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: Path = RECIPES_DIR) -> Recipe:
@@ -538,12 +592,10 @@ def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: 
     data.setdefault("name", path.stem)
     if overrides:
         data = apply_overrides(data, overrides)
-    try:
-        recipe = Recipe.model_validate(data)
-    except ValidationError as e:
-        errors = e.errors()
-        shown = [_describe(err, str(path)) for err in errors[:MAX_PROBLEMS_SHOWN]]
-        raise RecipeError(shown + [f"{path}: ..."] * (len(errors) - len(shown))) from None
+    problems = section_problems(Recipe, data, (), str(path))
+    if problems:
+        raise RecipeError(problems)
+    recipe = Recipe.model_validate(data)
     problems = semantic_problems(recipe, str(path))
     if problems:
         raise RecipeError(problems)
@@ -551,29 +603,75 @@ def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: 
     return recipe
 
 
+# ---------------------------------------------------------------- rules across fields (no model facts)
 TARGET_ALGOS = {
     "onnxruntime": {"none", "int8", "int4_wo"},
     "tensorrt_llm": {"none", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "fp8"},
     "tensorrt": {"none", "int8", "fp8"},
 }
+KV_CACHE_TARGETS = {"tensorrt_llm"}
+
+
+def quantize_problems(q: dict, target: str) -> list[str]:
+    """The quantize section's rules for ``target``, each message starting with its key: algo and method fit the
+    target, alpha / block_size only where the quantizer reads them, QAT warm-up inside the run, and
+    ``quantize.options`` against the quantizer's options schema (pipeline/recipe_options.py). ``q`` is the
+    section as a dict (defaults filled in); values of the wrong type are left to the schema."""
+    from .recipe_options import ORT_SECTION_OPTION, QUANTIZERS, quantizer
+    p = []
+    method, algo, kv = q.get("method"), q.get("algo"), q.get("kv_cache", "none")
+    allowed = TARGET_ALGOS[target]
+    if isinstance(algo, str) and algo not in allowed:
+        hint = "; 'int8' is the onnxruntime target's format, use int8_sq or int8_wo here" \
+            if target == "tensorrt_llm" and algo == "int8" else ""
+        p.append(f"quantize.algo: '{algo}' is not available for build.target '{target}' "
+                 f"(allowed: {', '.join(sorted(allowed))}){hint}")
+    if kv != "none" and target not in KV_CACHE_TARGETS:
+        p.append(f"quantize.kv_cache: '{kv}' is a tensorrt_llm setting (a quantized KV cache); build.target "
+                 f"'{target}' keeps it in the model dtype: remove it")
+    quantizes = algo != "none" or (kv != "none" and target in KV_CACHE_TARGETS)
+    if method == "none" and algo != "none":
+        p.append(f"quantize.method is 'none' but quantize.algo is '{algo}': set quantize.method to ptq or qat")
+    if method in ("ptq", "qat") and not quantizes:
+        what = "pick an algo (or, for tensorrt_llm, a kv_cache)" if target in KV_CACHE_TARGETS else "pick an algo"
+        p.append(f"quantize.method is '{method}' but quantize.algo is 'none' (nothing is quantized): {what} or set "
+                 "method: none")
+    if method == "qat" and target != "tensorrt_llm":
+        p.append(f"quantize.method 'qat' needs build.target 'tensorrt_llm' (ModelOpt fake-quant models do not "
+                 f"export to ONNX); use method: ptq for '{target}'")
+    qz = quantizer(target, algo) if isinstance(algo, str) else None
+    for key in ("alpha", "block_size"):
+        if q.get(key) is not None and qz is not None and key not in qz.section_keys:
+            users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if key in z.section_keys and t == target)
+            p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
+                     f"{', '.join(users) or 'no algo of this target'}); remove it")
+    if method == "qat" and isinstance(q.get("qat"), dict):
+        t = q["qat"]
+        ints = [t.get(k) for k in ("epochs", "samples", "batch", "warmup_steps")]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and t["batch"] > 0:
+            steps = t["epochs"] * -(-t["samples"] // t["batch"])
+            if not 0 <= t["warmup_steps"] < steps:
+                p.append(f"quantize.qat.warmup_steps: must be in [0, {steps}) (the run has {steps} steps), "
+                         f"got {t['warmup_steps']!r}")
+    if qz is not None and isinstance(q.get("options"), dict):
+        opts, renamed = dict(q["options"]), {}
+        if target in ("onnxruntime", "tensorrt"):
+            for key, opt in ORT_SECTION_OPTION.items():
+                if key in qz.section_keys and q.get(key) is not None:
+                    if opt in opts:
+                        p.append(f"quantize.{key}: quantize.options.{opt} says the same; set one of them")
+                    opts[opt] = q[key]
+                    renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
+        for m in section_problems(qz.options, opts, ("quantize", "options")):
+            head, _, rest = m.partition(" ")
+            p.append(renamed.get(head, head) + " " + rest)
+    return p
 
 
 def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     """Cross-field rules that need no model facts (those run at plan time, see stages)."""
-    p = []
     target = recipe.build.target
-    q = recipe.quantize
-    allowed = TARGET_ALGOS[target]
-    if q.algo not in allowed:
-        p.append(f"{source}: quantize.algo = '{q.algo}' is not available for build.target '{target}' "
-                 f"(allowed: {', '.join(sorted(allowed))})")
-    if q.method == "none" and q.algo != "none":
-        p.append(f"{source}: quantize.method is 'none' but quantize.algo is '{q.algo}': set quantize.method to ptq or qat")
-    if q.method in ("ptq", "qat") and q.algo == "none":
-        p.append(f"{source}: quantize.method is '{q.method}' but quantize.algo is 'none': pick an algo or set method: none")
-    if q.method == "qat" and target != "tensorrt_llm":
-        p.append(f"{source}: quantize.method 'qat' needs build.target 'tensorrt_llm' (ModelOpt fake-quant models do not "
-                 f"export to ONNX); use method: ptq for '{target}'")
+    p = [f"{source}: {m}" for m in quantize_problems(recipe.quantize.model_dump(), target)]
     t = recipe.validate_.thresholds
     for key, targets in THRESHOLD_TARGETS.items():
         if getattr(t, key) is not None and target not in targets:

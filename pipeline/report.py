@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
 import platform
 import time
 from dataclasses import asdict
@@ -15,20 +15,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .env import atomic_write
 from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
+from .status import Status, overall
 
-FAILING = ("failed",)
-INCOMPLETE = ("cannot-run-here",)
-
-
-def overall_status(results: list[StageResult]) -> str:
-    if any(r.status in FAILING for r in results):
-        return "failed"
-    if any(r.status in INCOMPLETE for r in results):
-        return "incomplete"
-    return "passed"
+def overall_status(results: list[StageResult]) -> Status:
+    return overall(r.status for r in results)
 
 
 def _clean(obj):
@@ -73,25 +67,20 @@ def invalid_report(name: str, error: Exception) -> dict:
         "recipe": name if len(name) <= 200 else name[:200] + "...",
         "recipe_hash": None,
         "target": None,
-        "status": "invalid",
+        "status": Status.INVALID,
         "wall_s": 0.0,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
                     "processor": platform.processor() or platform.machine()},
         "problems": problems,
-        "stages": [{"name": "resolve", "status": "failed", "key": None, "duration_s": 0.0, "peak_rss_mb": 0.0,
+        "stages": [{"name": "resolve", "status": Status.FAILED, "key": None, "duration_s": 0.0, "peak_rss_mb": 0.0,
                     "metrics": {}, "message": "\n".join(problems[:50]), "payload": None,
                     "error_type": type(error).__name__, "log": None}],
     })
 
 
 def write_summary(statuses: dict[str, str], report_dir: Path) -> Path:
-    report_dir.mkdir(parents=True, exist_ok=True)
-    path = report_dir / "summary.json"
-    tmp = path.with_name(f".summary.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(statuses, indent=2))
-    os.replace(tmp, path)
-    return path
+    return atomic_write(report_dir / "summary.json", json.dumps(statuses, indent=2))
 
 
 def junit_xml(report: dict) -> str:
@@ -101,13 +90,13 @@ def junit_xml(report: dict) -> str:
         tests += 1
         case = ET.SubElement(suite, "testcase", classname=f"forge.{report['recipe']}.stage", name=st["name"],
                              time=str(st["duration_s"]))
-        if st["status"] == "failed":
+        if st["status"] == Status.FAILED:
             failures += 1
             kind = f"{st['error_type']}: " if st.get("error_type") and st["error_type"] != "StageFailed" else ""
             text = st["message"] + (f"\nlog: {st['log']}" if st.get("log") else "")
             ET.SubElement(case, "failure", message=(kind + st["message"])[:500],
                           type=st.get("error_type") or "failed").text = text
-        elif st["status"] in ("cannot-run-here", "skipped"):
+        elif st["status"] in (Status.CANNOT_RUN_HERE, Status.SKIPPED):
             skipped += 1
             ET.SubElement(case, "skipped", message=st["message"][:500])
         for gate in (st.get("metrics") or {}).get("gates", []):
@@ -131,8 +120,8 @@ def summary_table(report: dict) -> Table:
     t = Table(title=f"{escape(str(report['recipe']))} [{report['target']}] — {report['status']} in {report['wall_s']:.1f}s")
     for col in ("stage", "status", "time s", "peak RSS MB", "key", "notes"):
         t.add_column(col)
-    colors = {"hit": "green", "built": "cyan", "failed": "red", "cannot-run-here": "yellow", "skipped": "dim",
-              "invalid": "red"}
+    colors = {Status.HIT: "green", Status.BUILT: "cyan", Status.FAILED: "red", Status.CANNOT_RUN_HERE: "yellow", Status.SKIPPED: "dim",
+              Status.INVALID: "red"}
     for st in report["stages"]:
         m = st.get("metrics") or {}
         notes = ", ".join(f"{k}={m[k]:.4g}" if isinstance(m.get(k), float) else f"{k}={m[k]}"
@@ -145,11 +134,10 @@ def summary_table(report: dict) -> Table:
 
 
 def write_reports(report: dict, out_dir: Path, console: Console | None = None) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    (out_dir / "junit.xml").write_text(junit_xml(report))
-    c = Console(record=True, width=140, file=open("/dev/null", "w"))
+    atomic_write(out_dir / "report.json", json.dumps(report, indent=2, default=str))
+    atomic_write(out_dir / "junit.xml", junit_xml(report))
+    c = Console(record=True, width=140, file=io.StringIO())
     c.print(summary_table(report))
-    (out_dir / "summary.txt").write_text(c.export_text())
+    atomic_write(out_dir / "summary.txt", c.export_text())
     if console:
         console.print(summary_table(report))

@@ -4,29 +4,27 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 from .cache import ArtifactCache, diff_components, make_key
-from .env import forge_home
 from .diskspace import check_free_space, disk_full, no_space_message
+from .env import PeakRss, forge_home
 from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageError
 from .modelinfo import ModelInfo
 from .recipe import Recipe
 from .stages import flow_for
 from .stages.base import Stage, StageContext
+from .status import Status
 
 
 @dataclass
 class StagePlan:
     name: str
-    status: str                 # hit | miss | cannot-run-here | blocked | corrupt
+    status: Status              # HIT | MISS | CANNOT_RUN_HERE | BLOCKED | CORRUPT
     key: str | None = None
     reason: str = ""
     components: dict | None = None
@@ -36,7 +34,7 @@ class StagePlan:
 @dataclass
 class StageResult:
     name: str
-    status: str                 # hit | built | failed | cannot-run-here | skipped
+    status: Status              # HIT | BUILT | FAILED | CANNOT_RUN_HERE | SKIPPED
     key: str | None = None
     duration_s: float = 0.0
     peak_rss_mb: float = 0.0
@@ -53,41 +51,6 @@ class _InputsCorrupt(Exception):
     def __init__(self, stages: list[str]):
         self.stages = stages
         super().__init__(", ".join(stages))
-
-
-class _RssSampler:
-    """Peak resident memory of this process (and children) while a stage runs."""
-
-    def __init__(self, interval: float = 0.2):
-        self.interval, self.peak, self._stop = interval, 0, threading.Event()
-        self._proc = psutil.Process()
-
-    def _sample(self):
-        try:
-            rss = self._proc.memory_info().rss
-            for c in self._proc.children(recursive=True):
-                try:
-                    rss += c.memory_info().rss
-                except psutil.Error:
-                    pass
-            self.peak = max(self.peak, rss)
-        except psutil.Error:
-            pass
-
-    def __enter__(self):
-        self._sample()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self._sample()
 
 
 def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = None) -> ModelInfo | None:
@@ -153,11 +116,11 @@ class Runner:
                 after = ", ".join(blocked)
                 missing = s.missing(self.recipe)
                 if missing:
-                    out.append(StagePlan(s.name, "cannot-run-here", reason=missing))
-                elif up.status in ("cannot-run-here", "blocked"):
-                    out.append(StagePlan(s.name, "blocked", reason=f"runs after {after} (which cannot run here)"))
+                    out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, reason=missing))
+                elif up.status in (Status.CANNOT_RUN_HERE, Status.BLOCKED):
+                    out.append(StagePlan(s.name, Status.BLOCKED, reason=f"runs after {after} (which cannot run here)"))
                 else:
-                    out.append(StagePlan(s.name, "miss", reason=f"runs after {after} (rebuilt first)"))
+                    out.append(StagePlan(s.name, Status.MISS, reason=f"runs after {after} (rebuilt first)"))
                 continue
             comps = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
@@ -165,15 +128,15 @@ class Runner:
             last = self.cache.last(self.recipe.name, s.name)
             changed = [] if last and last.get("key") == key else diff_components(last and last.get("components"), comps)
             missing = s.missing(self.recipe)
-            if state == "hit" and s.name not in force:
+            if state == Status.HIT and s.name not in force:
                 digests[s.name] = self.cache.get(key, verify=False).meta["payload_digest"]
-                out.append(StagePlan(s.name, "hit", key, "cached", comps))
+                out.append(StagePlan(s.name, Status.HIT, key, "cached", comps))
             elif missing:
-                out.append(StagePlan(s.name, "cannot-run-here", key, missing, comps, changed))
+                out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, key, missing, comps, changed))
             else:
-                reason = "forced" if s.name in force else ("corrupt entry, rebuild" if state == "corrupt" else
+                reason = "forced" if s.name in force else ("corrupt entry, rebuild" if state == Status.CORRUPT else
                                                          "changed: " + ", ".join(changed[:6]))
-                out.append(StagePlan(s.name, "miss", key, reason, comps, changed))
+                out.append(StagePlan(s.name, Status.MISS, key, reason, comps, changed))
         return out
 
     # ------------------------------------------------------------ build
@@ -218,23 +181,23 @@ class Runner:
         stop = False
         for s in self.stages:
             if stop:
-                results.append(StageResult(s.name, "skipped", message="after --until" if until else "upstream did not complete"))
+                results.append(StageResult(s.name, Status.SKIPPED, message="after --until" if until else "upstream did not complete"))
                 continue
             if any(n not in digests for n in s.needs):
-                results.append(StageResult(s.name, "skipped", message="upstream did not complete"))
+                results.append(StageResult(s.name, Status.SKIPPED, message="upstream did not complete"))
                 continue
             try:
                 res = self._run_stage(s, digests, payloads, metrics, s.name in forced,
                                       {n: keys[n] for n in s.needs}, retry)
             except _InputsCorrupt:
                 if on_stage:
-                    on_stage(StageResult(s.name, "skipped", message="an input changed on disk since it was cached: "
+                    on_stage(StageResult(s.name, Status.SKIPPED, message="an input changed on disk since it was cached: "
                                                                     "set aside, rebuilding it"))
                 raise
             results.append(res)
             if on_stage:
                 on_stage(res)
-            if res.status in ("hit", "built"):
+            if res.status in (Status.HIT, Status.BUILT):
                 try:
                     entry = self.cache.get(res.key, verify=False)
                     digests[s.name] = entry.meta["payload_digest"]
@@ -243,7 +206,7 @@ class Runner:
                     keys[s.name] = res.key
                 except Exception as e:      # the entry vanished or is unreadable right after use
                     results[-1] = self._failed(s, res.key, 0.0, 0.0, e)
-            if results[-1].status == "failed":
+            if results[-1].status == Status.FAILED:
                 stop = True
             if until and s.name == until:
                 stop = True
@@ -253,7 +216,7 @@ class Runner:
                    retry: bool) -> StageResult:
         t0 = time.perf_counter()
         key = need = None
-        sampler = _RssSampler()
+        sampler = PeakRss()
         try:
             comps = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
@@ -261,17 +224,17 @@ class Runner:
                 entry = self.cache.get(key)
                 if entry is not None:
                     self.cache.record(self.recipe.name, s.name, key, comps)
-                    return StageResult(s.name, "hit", key, metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
+                    return StageResult(s.name, Status.HIT, key, metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
             missing = s.missing(self.recipe)
             if missing:
-                return StageResult(s.name, "cannot-run-here", key,
+                return StageResult(s.name, Status.CANNOT_RUN_HERE, key,
                                    message=f"{missing}; finish with: {s.finish_hint(self.recipe)}")
             with self.cache.lock(key):
                 if not forced:
                     entry = self.cache.get(key)   # a concurrent run may have built it while we waited
                     if entry is not None:
                         self.cache.record(self.recipe.name, s.name, key, comps)
-                        return StageResult(s.name, "hit", key, time.perf_counter() - t0,
+                        return StageResult(s.name, Status.HIT, key, time.perf_counter() - t0,
                                            metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
                 if s.hands_off:
                     self._verify_inputs(s, input_keys, retry)
@@ -289,10 +252,10 @@ class Runner:
         except (KeyboardInterrupt, _InputsCorrupt):
             raise
         except CannotRunHere as e:
-            return StageResult(s.name, "cannot-run-here", key, time.perf_counter() - t0, message=str(e))
+            return StageResult(s.name, Status.CANNOT_RUN_HERE, key, time.perf_counter() - t0, message=str(e))
         except Exception as e:      # any failure of a stage is its result, whatever raised it
             return self._failed(s, key, time.perf_counter() - t0, sampler.peak / 2**20, e, need)
-        return StageResult(s.name, "built", key, time.perf_counter() - t0, sampler.peak / 2**20,
+        return StageResult(s.name, Status.BUILT, key, time.perf_counter() - t0, sampler.peak / 2**20,
                            stage_metrics, payload=str(entry.payload))
 
     def _verify_inputs(self, s: Stage, input_keys: dict[str, str], retry: bool) -> None:
@@ -314,7 +277,7 @@ class Runner:
         else:
             message = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         log = self._write_log(s, key, e, message)
-        return StageResult(s.name, "failed", key, duration, peak_mb, getattr(e, "metrics", {}) or {}, message,
+        return StageResult(s.name, Status.FAILED, key, duration, peak_mb, getattr(e, "metrics", {}) or {}, message,
                            error_type=type(e).__name__, log=log)
 
     def _write_log(self, s: Stage, key: str | None, e: BaseException, message: str) -> str | None:

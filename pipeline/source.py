@@ -24,6 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from .env import publish_dir
 from .errors import ForgeError
 from .hashing import file_digest, sha256_json, tree_digest
 
@@ -228,7 +229,7 @@ def materialise_builtin(name: str, home: Path) -> Path:
             if b.notice:
                 (tmp / "NOTICE").write_text(b.notice)
             _normal_permissions(tmp)
-            os.replace(tmp, final)
+            publish_dir(tmp, final)
         finally:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 import time
 import traceback
@@ -25,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def rss_peak_gb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    from pipeline.env import process_peak_rss_bytes
+    return process_peak_rss_bytes() / 2**30
 
 
 def gpu_peak_gb() -> float:

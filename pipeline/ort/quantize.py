@@ -8,7 +8,7 @@ Algorithms (``algo``):
   activations quantized per token and block at run time) or ``mixed`` (default: ``blockwise`` for the MatMuls
   matching ``options["blockwise"]`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
   after SmoothQuant (``smoothquant_alpha``, calibrated on ``calib_windows``) folded into the RMSNorm weights.
-  See ``INT8_DEFAULTS`` for the measurements behind the default.
+  Options and their defaults (with the measurements behind them) are declared in ``pipeline/recipe_options.py``.
 * ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options["block_size"]``, default 32).
 * ``none``    -- the FP32 graph copied unchanged.
 
@@ -36,22 +36,20 @@ import numpy as np
 
 from pipeline.errors import ForgeError
 from pipeline.progress import progress_bar
+from pipeline.recipe_options import OrtInt4Options, OrtInt8Options
 
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 
 # onnxruntime's quantizers log one INFO line per graph node (thousands); what ran is in our metrics instead
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 
-__all__ = ["quantize_onnx", "ALGOS", "break_scales", "activation_stats"]
+__all__ = ["quantize_onnx", "ALGOS", "activation_stats"]
 
 ALGOS = ("none", "int8", "int4_wo")
-# Chosen by measurement on SmolLM2-135M (wiki eval, 16 x 256 tokens, vs FP32 ORT; see docs in the module header):
-#   dynamic per-tensor everywhere            ppl +69 %, top-1 59 %, 1.84x   (down_proj inputs have 2000x outliers)
-#   blockwise (MatMulNBits 8-bit) everywhere ppl +0.6 %, top-1 96 %, 1.09x  (accurate, not faster)
-#   mixed: blockwise down_proj + lm_head, dynamic elsewhere, SmoothQuant 0.5 on q/k/v and gate/up inputs
-#                                            ppl +1.8 %, top-1 93 %, 1.43-1.66x, 0.32x size   <- default
-INT8_DEFAULTS = {"method": "mixed", "blockwise": ["*.mlp.down_proj", "lm_head"], "smoothquant_alpha": 0.5,
-                 "smoothquant_only": ["*.q_proj", "*.gate_proj"]}
+# the declared defaults of each algo's options (an option absent from ``options`` takes these)
+INT8 = OrtInt8Options()
+INT4 = OrtInt4Options()
+INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only"})
 STATS_FILE = "quant_stats.json"
 
 
@@ -347,20 +345,20 @@ def _int8_dynamic(model, out_dir: Path, options: dict, excluded: list[str]) -> d
     with tempfile.TemporaryDirectory(prefix="forge-q-") as td:
         src = _save(model, Path(td))
         quantize_dynamic(str(src), str(out_dir / MODEL_FILE), op_types_to_quantize=["MatMul"],
-                         per_channel=bool(options.get("per_channel", True)),
-                         reduce_range=bool(options.get("reduce_range", False)),
+                         per_channel=bool(options.get("per_channel", INT8.per_channel)),
+                         reduce_range=bool(options.get("reduce_range", INT8.reduce_range)),
                          weight_type=QuantType.QInt8, nodes_to_exclude=excluded, use_external_data_format=True,
                          extra_options={"MatMulConstBOnly": True})
-    return {"method": "dynamic", "weights": "int8 per-channel symmetric" if options.get("per_channel", True)
+    return {"method": "dynamic", "weights": "int8 per-channel symmetric" if options.get("per_channel", INT8.per_channel)
             else "int8 per-tensor symmetric", "activations": "int8 per-tensor, computed at run time"}
 
 
 def _nbits(model, out_dir: Path, options: dict, excluded: list[str], *, bits: int, sym_default: bool) -> dict:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    block = int(options.get("block_size", 32))
+    block = int(options.get("block_size", INT8.block_size))
     sym = bool(options.get("symmetric", sym_default))
-    acc = int(options.get("accuracy_level", 4))
+    acc = int(options.get("accuracy_level", INT8.accuracy_level))
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=sym, accuracy_level=acc,
                              nodes_to_exclude=excluded, nodes_to_include=options.get("nodes_to_include"),
                              op_types_to_quantize=("MatMul",))
@@ -379,9 +377,9 @@ def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str], lm_head: 
     (``options.lm_head_bits``: 8 or 4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
     from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    method = options.get("method", "hqq")
-    block = int(options.get("block_size", 32))
-    lm8 = [n for n in lm_head if n not in excluded] if int(options.get("lm_head_bits", 8)) == 8 else []
+    method = options.get("method", INT4.method)
+    block = int(options.get("block_size", INT4.block_size))
+    lm8 = [n for n in lm_head if n not in excluded] if int(options.get("lm_head_bits", INT4.lm_head_bits)) == 8 else []
     if method == "rtn":
         info = _nbits(model, out_dir, options, excluded + lm8, bits=4, sym_default=False)
     elif method == "hqq":
@@ -405,10 +403,8 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                   options: dict | None = None) -> dict:
     """Quantize the FP32 forge ONNX model in ``fp32_dir`` into ``out_dir``; returns metrics + what ran.
 
-    ``options``: ``method`` (int8: dynamic|static), ``per_channel`` (default True), ``reduce_range`` (False),
-    ``embedding`` (int8|fp32, default int8), ``exclude`` (fnmatch patterns of MatMul node names kept FP32),
-    ``block_size`` / ``symmetric`` / ``accuracy_level`` (int4_wo), ``threads``.
-    """
+    ``options``: as validated by the recipe; each one's meaning and default is declared in
+    ``pipeline/recipe_options.py`` (``OrtInt8Options``, ``OrtInt4Options``)."""
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
     options = dict(options or {})
     if algo not in ALGOS:
@@ -430,7 +426,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         excluded = [n.name for n, _ in nodes if _matches(n, list(options.get("exclude", [])))]
         if calib_windows is not None:
             acts = sorted({n.input[0] for n, _ in nodes})
-            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=int(options.get("threads", 2)))
+            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=int(options.get("threads", INT8.threads)))
             consumers = {}
             for n, _ in nodes:
                 consumers.setdefault(n.input[0], []).append(module_name(n))
@@ -449,7 +445,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                                                                                INT8_DEFAULTS["smoothquant_only"]))
         stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         emb = None
-        if options.get("embedding", "int8") == "int8" and algo == "int8":
+        if options.get("embedding", INT8.embedding) == "int8" and algo == "int8":
             emb = quantize_embedding_int8(model, meta["vocab_size"])
             _prune_unused_initializers(model)
         stats["embedding"] = emb
@@ -489,26 +485,3 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             "excluded": len(info.get("excluded_nodes", [])), "quantize_s": round(time.time() - t0, 2),
             "model_bytes": model_bytes(out_dir), "fp32_model_bytes": model_bytes(fp32_dir),
             "size_ratio": model_bytes(out_dir) / model_bytes(fp32_dir)}
-
-
-# ---------------------------------------------------------------------------------------------- test helper
-
-def break_scales(model_dir: str | Path, out_dir: str | Path, *, factor: float = 0.0) -> list[str]:
-    """Write a deliberately broken copy of a quantized model: every quantization scale initializer multiplied by
-    ``factor`` (0 = zeroed). Used to prove that validation rejects a broken engine. Returns the scales changed."""
-    from onnx import numpy_helper
-
-    model = _load(Path(model_dir))
-    changed = []
-    for init in model.graph.initializer:
-        n = init.name
-        if n.endswith(("_scale", "_rowscale", "_scales")) or n.endswith("scale"):
-            arr = numpy_helper.to_array(init)
-            if arr.dtype.kind == "f":
-                init.CopyFrom(numpy_helper.from_array((arr * factor).astype(arr.dtype), n))
-                changed.append(n)
-    if not changed:
-        raise ForgeError(f"{model_dir} has no quantization scales to break")
-    _save(model, Path(out_dir))
-    copy_side_files(Path(model_dir), Path(out_dir))
-    return changed

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import time
 import warnings
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pipeline.env import process_peak_rss_bytes
 from pipeline.progress import progress_bar
 
 
@@ -75,10 +75,6 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch: int = 4, device: 
             advance(1)
     model.train(was_training)
     return math.exp(log_sum / n)
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
 def calibrate(model: nn.Module, mtq_cfg: dict, calib: torch.Tensor | None, batch: int, device: str = "cpu",
@@ -204,7 +200,7 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
                                                       "trtllm_quantization": m["trtllm_quantization"],
                                                       "needs_sm": m["needs_sm"], "model": info.to_dict()})
     m["seconds"]["total"] = time.perf_counter() - t_all
-    m["peak_rss_mb"] = peak_rss_mb()
+    m["peak_rss_mb"] = process_peak_rss_bytes() / 2**20
     if device.startswith("cuda") and torch.cuda.is_available():
         m["peak_gpu_mb"] = torch.cuda.max_memory_allocated() / 2**20
     (out_dir / artifact.METRICS_FILE).write_text(json.dumps(reproducible(m), indent=1, default=str))

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..env import gpu_sm, has_module, tool_label, tool_version
 from ..modelinfo import ModelInfo
 from ..recipe import Recipe
 
-
-def tool_version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "absent"
-
-
-def has_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+__all__ = ["Stage", "GpuStage", "StageContext", "has_module", "payload_bytes", "cpu_hardware"]
 
 
 def payload_bytes(path: Path) -> int:
@@ -50,13 +37,16 @@ class Stage:
     name: str = ""
     version: str = "1"                  # bump when the implementation changes its output
     needs: tuple[str, ...] = ()         # upstream stages whose payloads this reads
-    tools: tuple[str, ...] = ()         # distributions whose versions enter the key
+    tools: tuple[str, ...] = ()         # tools (pipeline.env.TOOLS labels) whose versions enter the key
     hands_off: bool = False             # its payload leaves the cache (a package): inputs verified in full first
-    description: str = ""
+    section: str = ""                   # the recipe section that is its whole config, e.g. "build.onnxruntime"
 
     def config(self, r: Recipe) -> dict:
-        """The slice of the resolved recipe that determines this stage's output."""
-        return {}
+        """The slice of the resolved recipe that determines this stage's output (``section``, by default)."""
+        node = r
+        for part in self.section.split(".") if self.section else ():
+            node = getattr(node, part)
+        return node.model_dump() if self.section else {}
 
     def data(self, r: Recipe, home: Path) -> dict:
         """Digests of the data sets this stage reads."""
@@ -90,6 +80,27 @@ class Stage:
             "config": self.config(r),
             "upstream": {k: upstream[k] for k in self.needs},
             "data": self.data(r, home),
-            "tools": {t: tool_version(t) for t in self.tools},
+            "tools": {tool_label(t): tool_version(t) or "absent" for t in self.tools},
             "hardware": self.hardware(r),
         }
+
+
+class GpuStage(Stage):
+    """A stage that needs an NVIDIA GPU and a Python module (``module``); its output is bound to the GPU
+    architecture it targets: the recipe's SM setting (``gpu_sm_setting``) or this machine's first GPU."""
+    module: str = ""
+    install_hint: str = ""
+
+    def gpu_sm_setting(self, r: Recipe) -> int | None:
+        return None
+
+    def hardware(self, r: Recipe) -> str:
+        sm = self.gpu_sm_setting(r) or gpu_sm()
+        return f"sm{sm}" if sm else "sm-unspecified"
+
+    def missing(self, r: Recipe) -> str | None:
+        if not has_module(self.module):
+            return f"{self.module} is not installed ({self.install_hint})"
+        if gpu_sm() is None:
+            return "no CUDA GPU visible"
+        return None

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import json
-
 from .base import Stage, StageContext, cpu_hardware, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, tokenizer
 from .evaluate import EvaluateBase
+from .package import PackageStage
 
 ORT_TOOLS = ("onnx", "onnxruntime")
 
 
 class OrtExport(Stage):
+    """HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity."""
     name = "export"
     version = "1"
     needs = ("source",)
     tools = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
-    description = "HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity"
-
-    def config(self, r):
-        return r.export.model_dump()
+    section = "export"
 
     def output_bytes(self, r, info, inputs):
         return int(info.num_params * 4 * 1.05) if info else None    # fp32 external data + graph
@@ -31,12 +28,23 @@ class OrtExport(Stage):
                            parity={k: v.model_dump() for k, v in e.parity.items()})
 
 
+def ort_options(q) -> dict:
+    """quantize.options as written, with quantize.alpha / quantize.block_size as the options they stand for
+    (pipeline/recipe_options.py; the recipe schema refuses both spellings at once)."""
+    from ..recipe_options import ORT_SECTION_OPTION
+    opts = dict(q.options)
+    for key, opt in ORT_SECTION_OPTION.items():
+        if getattr(q, key) is not None:
+            opts[opt] = getattr(q, key)
+    return opts
+
+
 class OrtQuantize(Stage):
+    """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
-    version = "2"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head
+    version = "3"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
-    description = "ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data"
 
     def config(self, r):
         q = r.quantize
@@ -56,17 +64,15 @@ class OrtQuantize(Stage):
         return cpu_hardware()
 
     def plan_problems(self, r, info):
-        """int4: ORT's MatMulNBits takes a power-of-two block >= 16; forge also wants it to divide every quantized
-        linear's input width (a partial last block is padded and quantized with padding: a silent accuracy cost)."""
-        q = r.quantize
-        if q.algo != "int4_wo" or info is None:
+        """int4: the block must divide every quantized linear's input width (ORT would pad a partial last block and
+        quantize the padding with it: a silent accuracy cost). Its form (a power of two >= 16) is the schema's."""
+        if r.quantize.algo != "int4_wo" or info is None:
             return []
         from ..quant.configs import linear_input_widths
-        key, block = (("quantize.options.block_size", q.options["block_size"]) if "block_size" in q.options
-                      else ("quantize.block_size", q.block_size or 32))
-        if not isinstance(block, int) or isinstance(block, bool) or block < 16 or block & (block - 1):
-            return [f"{key}: {block!r} is not a power of two >= 16 (ONNX Runtime's MatMulNBits block sizes: 16, 32, "
-                    "64, 128, 256)"]
+        from ..recipe_options import OrtInt4Options
+        opts = ort_options(r.quantize)
+        key = "quantize.block_size" if r.quantize.block_size is not None else "quantize.options.block_size"
+        block = opts.get("block_size", OrtInt4Options.model_fields["block_size"].default)
         widths = {**linear_input_widths(info), "lm_head": info.hidden_size}
         bad = {k: w for k, w in widths.items() if w % block}
         if bad:
@@ -79,24 +85,16 @@ class OrtQuantize(Stage):
         from ..ort.quantize import quantize_onnx
         q = ctx.recipe.quantize
         calib = calibration_windows(ctx) if q.algo != "none" else None
-        opts = dict(q.options)
-        if q.alpha is not None:
-            opts.setdefault("alpha", q.alpha)
-        if q.block_size is not None:
-            opts.setdefault("block_size", q.block_size)
-        opts.setdefault("batch", q.calibration.batch)
-        return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=opts)
+        return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=ort_options(q))
 
 
 class OrtBuildStage(Stage):
+    """ONNX Runtime graph optimisations applied and saved, session options recorded."""
     name = "build"
     version = "1"
     needs = ("quantize", "source")
     tools = ORT_TOOLS
-    description = "ONNX Runtime graph optimisations applied and saved, session options recorded"
-
-    def config(self, r):
-        return r.build.onnxruntime.model_dump()
+    section = "build.onnxruntime"
 
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
@@ -116,37 +114,24 @@ class OrtBuildStage(Stage):
 
 
 class OrtEvaluate(EvaluateBase):
+    """ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation."""
     name = "evaluate"
     needs = ("build", "source")
     tools = ("torch", "transformers", "onnxruntime")
     subject = "onnxruntime engine"
-    description = "ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation"
 
     def candidate(self, ctx):
         from ..ort.engine import OrtEngine
         return OrtEngine(ctx.inputs["build"], threads=ctx.recipe.build.onnxruntime.intra_op_threads)
 
 
-class OrtPackage(Stage):
-    name = "package"
+class OrtPackage(PackageStage):
+    """Triton model repository (ensemble text in / text out) + manifest.json."""
     version = "3"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest)
-    needs = ("build", "validate", "evaluate", "source")
     tools = ORT_TOOLS
-    description = "Triton model repository (ensemble text in / text out) + manifest.json"
-    hands_off = True
 
-    def output_bytes(self, r, info, inputs):
-        return payload_bytes(inputs["build"]) + payload_bytes(inputs["source"]) if "build" in inputs else None
-
-    def config(self, r):
-        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
-
-    def run(self, ctx: StageContext) -> dict:
+    def write_repository(self, ctx, evaluation):
         from ..triton.repo_onnxruntime import write_onnxruntime_repo
-        from .manifest import manifest_info
-        from ..triton.manifest import write_manifest
-        evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
         res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                      recipe=ctx.recipe.to_dict(), metrics=evaluation)
-        write_manifest(ctx.out, manifest_info(ctx, target="cpu", evaluation=evaluation))
-        return res or {}
+        return res, "cpu", {}

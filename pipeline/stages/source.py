@@ -12,10 +12,10 @@ from .base import Stage, StageContext
 
 
 class SourceStage(Stage):
+    """Resolve the model (builtin GGUF -> fp32 safetensors, local dir, or local HF cache)."""
     name = "source"
     version = "2"   # 2: source.json no longer records the model's absolute path (location-independent payload)
     tools = ("transformers", "gguf")
-    description = "resolve the model (builtin GGUF -> fp32 safetensors, local dir, or local HF cache)"
 
     def config(self, r):
         return {"source": r.model.source}

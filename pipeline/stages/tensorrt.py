@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from .base import Stage, StageContext, has_module
 from .onnxruntime import OrtExport, OrtQuantize
-from .tensorrt_llm import gpu_sm, target_sm
+from ..env import gpu_sm
+from .tensorrt_llm import target_sm
 
 
 def tensorrt_missing() -> str | None:

@@ -6,37 +6,29 @@ from __future__ import annotations
 
 import json
 
+from ..env import atomic_copy, gpu_sm
 from ..errors import StageFailed
-from .base import Stage, StageContext, has_module, payload_bytes
+from .base import GpuStage, Stage, StageContext, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, windows
 from .evaluate import EvaluateBase
+from .package import PackageStage
 
-MODELOPT_TOOLS = ("torch", "transformers", "nvidia-modelopt")
-TRTLLM_TOOLS = ("tensorrt_llm", "tensorrt-llm", "tensorrt")
+MODELOPT_TOOLS = ("torch", "transformers", "modelopt")
+TRTLLM_TOOLS = ("tensorrt_llm", "tensorrt")
 
 
-def gpu_sm() -> int | None:
-    try:
-        import torch
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability(0)
-            return major * 10 + minor
-    except Exception:
-        pass
-    return None
+class OnTrtllmGpu(GpuStage):
+    """Runs with tensorrt_llm on a GPU; bound to the SM of build.tensorrt_llm.gpu_sm (or this machine's GPU)."""
+    module = "tensorrt_llm"
+    install_hint = "pip install -e '.[trtllm]' on a GPU machine with NVIDIA's index"
+
+    def gpu_sm_setting(self, r):
+        return r.build.tensorrt_llm.gpu_sm
 
 
 def target_sm(r) -> str:
-    sm = r.build.tensorrt_llm.gpu_sm or gpu_sm()
-    return f"sm{sm}" if sm else "sm-unspecified"
-
-
-def trtllm_missing() -> str | None:
-    if not has_module("tensorrt_llm"):
-        return "tensorrt_llm is not installed (pip install -e '.[trtllm]' on a GPU machine with NVIDIA's index)"
-    if gpu_sm() is None:
-        return "no CUDA GPU visible"
-    return None
+    """The hardware key of the tensorrt_llm target's GPU stages ("sm90", or "sm-unspecified")."""
+    return OnTrtllmGpu().hardware(r)
 
 
 def calibrates(q) -> bool:
@@ -45,11 +37,11 @@ def calibrates(q) -> bool:
 
 
 class ModeloptQuantize(Stage):
+    """ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved."""
     name = "quantize"
     version = "2"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest)
     needs = ("source",)
     tools = MODELOPT_TOOLS
-    description = "ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved"
 
     def config(self, r):
         q = r.quantize
@@ -96,11 +88,12 @@ class ModeloptQuantize(Stage):
 
 
 class TrtllmCheckpoint(Stage):
+    """The TensorRT-LLM checkpoint: ModelOpt's export_tensorrt_llm_checkpoint sharded for TP/PP, the config fix-ups
+    TensorRT-LLM 1.2 needs, and the contract check (pipeline/trtllm/contract.py) before anything builds on it."""
     name = "checkpoint"
     version = "1"
     needs = ("quantize", "source")
     tools = MODELOPT_TOOLS
-    description = "export_tensorrt_llm_checkpoint with TP/PP, TensorRT-LLM config fix-ups, contract check"
 
     def config(self, r):
         b = r.build.tensorrt_llm
@@ -128,11 +121,11 @@ class TrtllmCheckpoint(Stage):
 
 
 class CheckpointEvaluate(EvaluateBase):
+    """Checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32."""
     name = "evaluate_checkpoint"
     version = "2"   # 2: streaming reference numerics (one layer resident, CUDA when present) and new families
     needs = ("checkpoint", "source", "quantize")
     subject = "tensorrt_llm checkpoint, reference numerics (not an engine)"
-    description = "checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32"
 
     def candidate(self, ctx):
         from ..trtllm.reference import ReferenceModel
@@ -152,21 +145,13 @@ class CheckpointEvaluate(EvaluateBase):
         return metrics
 
 
-class TrtllmBuildStage(Stage):
+class TrtllmBuildStage(OnTrtllmGpu, Stage):
+    """trtllm-build per rank with plugins, timing cache from/to the cache."""
     name = "build"
     version = "1"
     needs = ("checkpoint", "validate_checkpoint")
     tools = TRTLLM_TOOLS
-    description = "trtllm-build per rank with plugins, timing cache from/to the cache"
-
-    def config(self, r):
-        return r.build.tensorrt_llm.model_dump()
-
-    def hardware(self, r):
-        return target_sm(r)
-
-    def missing(self, r):
-        return trtllm_missing()
+    section = "build.tensorrt_llm"
 
     def finish_hint(self, r):
         return f"forge build {r.name} --from build  (on a GPU machine with tensorrt_llm 1.2.x, sharing FORGE_CACHE)"
@@ -182,8 +167,6 @@ class TrtllmBuildStage(Stage):
                               r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump())
 
     def run(self, ctx: StageContext) -> dict:
-        import os
-        import shutil
         from ..trtllm.build import build_engine
         from ..trtllm.build_config import trtllm_build_args
         # The timing cache lives beside the artifact cache, one per GPU SM: taken in, refreshed copy returned.
@@ -193,10 +176,7 @@ class TrtllmBuildStage(Stage):
                                  tc_in if tc_in.exists() else None, ctx.out / "timing.cache")
         metrics = build_engine(ctx.inputs["checkpoint"], ctx.out, args, tc_in if tc_in.exists() else None)
         if metrics.get("timing_cache_out"):
-            tc_dir.mkdir(parents=True, exist_ok=True)
-            tmp = tc_dir / f".{os.getpid()}.tmp"
-            shutil.copy2(metrics["timing_cache_out"], tmp)
-            os.replace(tmp, tc_in)
+            atomic_copy(metrics["timing_cache_out"], tc_in)
         return metrics
 
 
@@ -222,52 +202,29 @@ class EngineCandidate:
         self.session.close()
 
 
-class TrtllmEvaluate(EvaluateBase):
+class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
+    """TensorRT-LLM engine (its runtime) vs FP32 torch."""
     name = "evaluate"
     needs = ("build", "source")
     tools = TRTLLM_TOOLS + ("torch", "transformers")
     subject = "tensorrt_llm engine"
-    description = "TensorRT-LLM engine (its runtime) vs FP32 torch"
-
-    def hardware(self, r):
-        return target_sm(r)
-
-    def missing(self, r):
-        return trtllm_missing()
 
     def candidate(self, ctx):
         return EngineCandidate(ctx.inputs["build"])
 
 
-class TrtllmPackage(Stage):
-    name = "package"
+class TrtllmPackage(OnTrtllmGpu, PackageStage):
+    """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
     version = "3"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest)
-    needs = ("build", "validate", "evaluate", "source")
     tools = TRTLLM_TOOLS
-    description = "Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json"
-    hands_off = True
-
-    def config(self, r):
-        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
-
-    def hardware(self, r):
-        return target_sm(r)
-
-    def missing(self, r):
-        return trtllm_missing()
 
     def plan_problems(self, r, info):
         from ..triton.repo_trtllm import check_triton_vs_engine
         return check_triton_vs_engine(r.package.triton.model_dump(), r.build.tensorrt_llm.model_dump())
 
-    def run(self, ctx: StageContext) -> dict:
-        from ..triton.manifest import write_manifest
+    def write_repository(self, ctx, evaluation):
         from ..triton.repo_trtllm import write_trtllm_repo
-        from .manifest import manifest_info
         engine_cfg = json.loads((ctx.inputs["build"] / "config.json").read_text())
-        evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
         res = write_trtllm_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                 engine_config=engine_cfg, triton=ctx.recipe.package.triton.model_dump())
-        write_manifest(ctx.out, manifest_info(ctx, target=target_sm(ctx.recipe), evaluation=evaluation,
-                                              build=engine_cfg.get("build_config", {})))
-        return res or {}
+        return res, target_sm(ctx.recipe), engine_cfg.get("build_config", {})

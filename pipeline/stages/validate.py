@@ -41,10 +41,10 @@ def _shown(value) -> str:
 
 
 class ValidateStage(Stage):
+    """Gate the evaluation on the recipe's thresholds."""
     name = "validate"
     version = "1"
     needs = ("evaluate",)
-    description = "gate the evaluation on the recipe's thresholds"
     skip = CHECKPOINT_ONLY           # an engine's evaluation has no simulated perplexity to compare with
 
     def config(self, r):
@@ -63,7 +63,7 @@ class ValidateStage(Stage):
 
 
 class ValidateCheckpointStage(ValidateStage):
+    """Gate the checkpoint's reference numerics on the recipe's thresholds."""
     name = "validate_checkpoint"
     needs = ("evaluate_checkpoint",)
-    description = "gate the checkpoint's reference numerics on the recipe's thresholds"
     skip: set[str] = frozenset()

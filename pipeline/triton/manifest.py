@@ -9,70 +9,31 @@ or another GPU architecture than this machine has (engines are not portable acro
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import json
 import platform
 from pathlib import Path
 
+from pipeline.env import gpus, tool_label, tool_versions
 from pipeline.errors import ForgeError
 from pipeline.hashing import file_digest, sha256_json, tree_files
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
-TOOLS = {"torch": "torch", "transformers": "transformers", "modelopt": "nvidia-modelopt", "onnx": "onnx",
-         "onnxruntime": "onnxruntime", "onnxruntime_gpu": "onnxruntime-gpu", "tensorrt": "tensorrt",
-         "tensorrt_llm": "tensorrt-llm", "tritonclient": "tritonclient", "nvidia_pytriton": "nvidia-pytriton",
-         "forge": "forge-engine"}
+# tools recorded in a manifest (pipeline.env.TOOLS labels)
+TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm", "tritonclient",
+         "pytriton", "forge")
 # tools whose version an engine is bound to, per target
 ENGINE_BOUND = {"tensorrt_llm": ("tensorrt", "tensorrt_llm"), "tensorrt": ("tensorrt",), "onnxruntime": ()}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return md.version(dist)
-    except md.PackageNotFoundError:
-        if dist == "tensorrt":  # the real wheel may be named tensorrt-cu12 / -cu13
-            for alt in ("tensorrt-cu13", "tensorrt-cu12", "tensorrt_cu13_libs", "tensorrt-cu12-libs"):
-                try:
-                    return md.version(alt)
-                except md.PackageNotFoundError:
-                    pass
-        return None
-
-
-def gpu_info() -> list[dict]:
-    """[{index, name, sm}] via nvidia-ml-py; [] without a GPU or driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception:
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name, "sm": major * 10 + minor})
-        return out
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def current_env() -> dict:
     """Tool versions, GPUs (SM) and platform of this machine."""
     from pipeline import __version__
 
-    tools = {k: _version(v) for k, v in TOOLS.items()}
+    tools = tool_versions(TOOLS)
     tools["forge"] = tools["forge"] or __version__
-    gpus = gpu_info()
-    return {"tools": tools, "gpus": gpus, "gpu_sms": sorted({g["sm"] for g in gpus}),
+    found = gpus()
+    return {"tools": tools, "gpus": found, "gpu_sms": sorted({g["sm"] for g in found}),
             "python": platform.python_version(), "machine": platform.machine(), "system": platform.system()}
 
 
@@ -91,20 +52,17 @@ def file_problems(repo_dir, manifest: dict) -> list[str]:
     repository is about to be deployed, and a change that kept size and mtime must be caught)."""
     repo = Path(repo_dir)
     problems: list[str] = []
+    fix = rebuild_hint(manifest)
     recorded = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     actual = repo_file_digests(repo, use_stat_cache=False)
     for f in sorted(set(recorded) | set(actual)):
         if f not in actual:
-            problems.append(f"{f}: listed in manifest.json but missing; re-run `forge package` to rebuild the repository")
+            problems.append(f"{f}: listed in manifest.json but missing; {fix}")
         elif f not in recorded:
-            problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or re-run `forge package`")
+            problems.append(f"{f}: not listed in manifest.json (added after packaging); remove it or {fix}")
         elif recorded[f] != actual[f]:
-            problems.append(f"{f}: content differs from manifest.json (modified after packaging); re-run `forge package`")
+            problems.append(f"{f}: content differs from manifest.json (modified after packaging); {fix}")
     return problems
-
-
-_TOOL_ALIASES = {"nvidia-modelopt": "modelopt", "nvidia_modelopt": "modelopt", "tensorrt-llm": "tensorrt_llm",
-                 "onnxruntime-gpu": "onnxruntime_gpu", "nvidia-pytriton": "nvidia_pytriton", "forge-engine": "forge"}
 
 
 def _engine_kind(repo: Path) -> str:
@@ -126,7 +84,7 @@ def _sm_from(target, gpu_sm) -> int | None:
 def write_manifest(repo_dir, info: dict) -> Path:
     """Write ``<repo>/manifest.json``: every key of ``info`` plus what verify-deploy needs.
 
-    ``info`` (the package stage's, see pipeline/stages/manifest.py): ``target`` ("cpu", "sm90", or a
+    ``info`` (the package stage's, see pipeline/stages/package.py): ``target`` ("cpu", "sm90", or a
     target name), ``recipe`` (resolved dict, or {name, hash, resolved}), ``model`` / ``calibration`` /
     ``evaluation_data`` digests, ``tools`` (dist name -> version; defaults to this environment),
     ``build`` args, ``metrics``; optional ``gpu_sm`` (int) and ``engine`` (onnxruntime | tensorrt_llm |
@@ -148,7 +106,7 @@ def write_manifest(repo_dir, info: dict) -> Path:
                              "build.tensorrt_llm.gpu_sm (e.g. 90) or build on the GPU; an engine only runs on that architecture")
         hardware = {"kind": "gpu", "sm": sm}
     tools = info.get("tools") or env["tools"]
-    tools = {_TOOL_ALIASES.get(k, k): (None if v == "absent" else v) for k, v in tools.items()}
+    tools = {tool_label(k): (None if v == "absent" else v) for k, v in tools.items()}
     for k in ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm"):
         tools.setdefault(k, None)  # recorded as absent (null), not omitted
     recipe = info.get("recipe")
@@ -166,18 +124,25 @@ def write_manifest(repo_dir, info: dict) -> Path:
 def read_manifest(repo_dir) -> dict:
     path = Path(repo_dir) / MANIFEST
     if not path.exists():
-        raise ForgeError(f"{path} not found: package the repository with `forge package RECIPE` (it writes the manifest)")
+        raise ForgeError(f"{path} not found: a repository forge packaged has one; build it with `forge build RECIPE` "
+                         "(its package stage writes the manifest; the repository is out/RECIPE/triton_repo)")
     try:
         m = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ForgeError(f"{path} is not valid JSON ({e}); re-run `forge package`") from None
+        raise ForgeError(f"{path} is not valid JSON ({e}); {rebuild_hint({})}") from None
     if not isinstance(m, dict):
-        raise ForgeError(f"{path} is not a manifest (a JSON object); re-run `forge package`")
+        raise ForgeError(f"{path} is not a manifest (a JSON object); {rebuild_hint({})}")
     return m
 
 
 def _obj(x) -> dict:
     return x if isinstance(x, dict) else {}
+
+
+def rebuild_hint(manifest: dict) -> str:
+    """The command that packages the repository again (the recipe named in the manifest, where it says)."""
+    name = _obj(manifest.get("recipe")).get("name") if isinstance(manifest, dict) else None
+    return f"rebuild it with `forge build {name if isinstance(name, str) else 'RECIPE'} --force package`"
 
 
 def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
@@ -192,7 +157,7 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
     problems = file_problems(repo, m)
     target = m.get("engine")
     if not isinstance(target, str) or target not in ENGINE_BOUND:
-        problems.append(f"manifest.json: unknown engine {target!r}; re-run `forge package`")
+        problems.append(f"manifest.json: unknown engine {target!r}; {rebuild_hint(m)}")
         return problems
     rname = _obj(m.get("recipe")).get("name", "RECIPE")
     tools_now = env.get("tools", {})

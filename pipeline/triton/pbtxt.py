@@ -66,7 +66,7 @@ def parse_config(path: str | Path) -> ModelConfig:
     try:
         return text_format.Parse(path.read_text(), ModelConfig())
     except text_format.ParseError as e:
-        raise ForgeError(f"{path}: not a valid Triton ModelConfig ({e}); regenerate the repository with `forge package`") from e
+        raise ForgeError(f"{path}: not a valid Triton ModelConfig ({e}); regenerate the repository with `forge build RECIPE --force package`") from e
 
 
 def parse_all_configs(repo_dir: str | Path) -> dict[str, ModelConfig]:

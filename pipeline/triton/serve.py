@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.env import forge_home
+from pipeline.env import forge_home, publish_dir
 from pipeline.errors import ForgeError
 from pipeline.hashing import sha256_json
 
@@ -85,10 +85,7 @@ def backend_directory(binary: Path | None = None) -> Path:
             shutil.copy2(v, tmp / "python" / k)
         shutil.rmtree(out, ignore_errors=True)
         out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.rename(tmp, out)
-        except OSError:  # another process won the race; its copy is identical
-            shutil.rmtree(tmp, ignore_errors=True)
+        publish_dir(tmp, out)   # another process may win the race; its copy is identical
     return out
 
 
@@ -134,10 +131,7 @@ def stub_environment() -> Path:
         (site / "sitecustomize.py").write_text(
             "import sys\nsys.pycache_prefix = " + repr(str(home / "triton-pycache")) + "\n")
         (tmp / ".complete").write_text(STUB_NUMPY + "\n")
-        try:
-            os.rename(tmp, env_dir)
-        except OSError:
-            shutil.rmtree(tmp, ignore_errors=True)  # a concurrent run finished first
+        publish_dir(tmp, env_dir)   # a concurrent run may have finished first: theirs is kept
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

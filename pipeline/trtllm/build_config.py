@@ -15,12 +15,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..gpus import min_sm
 from ..modelinfo import ModelInfo
 from .families import ARCHITECTURES
 
 KEY = "build.tensorrt_llm"
 
-# quantize.algo -> checkpoint quant_algo (TRT-LLM examples/quantization quantize_by_modelopt.py, §3).
+# quantize.algo -> checkpoint quant_algo (TRT-LLM examples/quantization quantize_by_modelopt.py, §3); the one map,
+# also behind the checkpoint's quantization block (pipeline/quant/configs.trtllm_quantization).
 QUANT_ALGO = {
     "none": None,
     "int8_sq": "W8A8_SQ_PER_CHANNEL",
@@ -193,8 +195,9 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
                          f"use quantize.algo fp8")
             if kvalgo == "INT8":
                 p.append(f"quantize.kv_cache: int8 is not supported by TensorRT-LLM on SM {sm}; use fp8")
-        if sm < 89 and (qalgo == "FP8" or kvalgo == "FP8"):
-            p.append(f"{algo_key}/quantize.kv_cache: FP8 needs SM >= 89 (Ada/Hopper); target GPU is SM {sm}")
+        need = min_sm("fp8" if qalgo == "FP8" else "", "fp8" if kvalgo == "FP8" else "none")
+        if need and sm < need:
+            p.append(f"{algo_key}/quantize.kv_cache: FP8 needs SM >= {need} (Ada/Hopper); target GPU is SM {sm}")
         if sm < 80 and b.get("dtype") == "bfloat16":
             p.append(f"{KEY}.dtype: bfloat16 needs SM >= 80; target GPU is SM {sm}")
     return p

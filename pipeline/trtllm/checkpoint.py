@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from ..env import PeakRss
 from ..errors import ForgeError
 from ..modelinfo import ModelInfo
 from ..progress import progress_bar
@@ -168,33 +167,6 @@ def _disable_quantizers(model: torch.nn.Module) -> list:
     return out
 
 
-class _PeakRss:
-    """Samples this process's RSS in a thread (psutil) and keeps the peak."""
-
-    def __init__(self, interval: float = 0.05):
-        import psutil
-        self._proc = psutil.Process(os.getpid())
-        self.start_rss = self._proc.memory_info().rss
-        self.peak = self.start_rss
-        self._stop = threading.Event()
-        self._interval = interval
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-            self._stop.wait(self._interval)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
 def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path | None, out_dir: str | Path, *,
                      dtype: str | torch.dtype = "float16", tp: int = 1, pp: int = 1, quant: dict | None = None) -> dict:
     """Export ``model`` (HF causal LM, optionally ModelOpt-quantized) as a TRT-LLM checkpoint into ``out_dir``.
@@ -230,7 +202,7 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     disabled = _disable_quantizers(model) if algo in ("int8_wo", "int4_wo") else []
     t0 = time.perf_counter()
     try:
-        with _PeakRss() as mem, progress_bar(f"TRT-LLM checkpoint export (tp {tp}, pp {pp})", 1) as advance, \
+        with PeakRss(interval=0.05, children=False) as mem, progress_bar(f"TRT-LLM checkpoint export (tp {tp}, pp {pp})", 1) as advance, \
                 torch.inference_mode():
             with _gemma3_manual_config():
                 export_tensorrt_llm_checkpoint(model, decoder, tdtype, out,
@@ -247,10 +219,10 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     return {
         "seconds": round(seconds, 3),
         "peak_rss_bytes": int(mem.peak),
-        "start_rss_bytes": int(mem.start_rss),
-        "export_rss_increase_bytes": int(mem.peak - mem.start_rss),
+        "start_rss_bytes": int(mem.start),
+        "export_rss_increase_bytes": int(mem.peak - mem.start),
         "model_fp16_bytes": int(fp16_bytes),
-        "export_rss_increase_vs_fp16": round((mem.peak - mem.start_rss) / fp16_bytes, 3),
+        "export_rss_increase_vs_fp16": round((mem.peak - mem.start) / fp16_bytes, 3),
         "tp": tp, "pp": pp, "ranks": tp * pp,
         "quant_algo": cfg["quantization"].get("quant_algo"),
         "kv_cache_quant_algo": cfg["quantization"].get("kv_cache_quant_algo"),

@@ -84,15 +84,15 @@ FILE_CASES = {
     "alias_bomb": ("!a: &a [1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
                    "d: [*c,*c,*c,*c,*c,*c,*c,*c,*c]\n", ["r.yaml", "aliases expanded"]),
     "threshold_negative": ("validate:\n  thresholds: {ppl_delta_pct_max: -1}\n",
-                           ["validate.thresholds.ppl_delta_pct_max = -1", "greater than or equal to 0"]),
+                           ["validate.thresholds.ppl_delta_pct_max = -1: must be a number >= 0"]),
     "threshold_nan": ("validate:\n  thresholds: {ppl_delta_pct_max: .nan}\n",
-                      ["validate.thresholds.ppl_delta_pct_max", "finite number"]),
+                      ["validate.thresholds.ppl_delta_pct_max = nan: must be a number >= 0"]),
     "threshold_inf": ("validate:\n  thresholds: {top1_agreement_min: .inf}\n",
-                      ["validate.thresholds.top1_agreement_min", "finite number"]),
+                      ["validate.thresholds.top1_agreement_min = inf: must be a number in [0, 1]"]),
     "samples_huge": ("quantize:\n  calibration: {samples: 10000000000000000000000000000000000000000}\n",
-                     ["quantize.calibration.samples", "less than or equal to 4096"]),
+                     ["quantize.calibration.samples = 10000000000000000000000000000000000000000: must be an integer in (0, 4096]"]),
     "threads_huge": ("build:\n  onnxruntime: {intra_op_threads: 100000000000000000}\n",
-                     ["build.onnxruntime.intra_op_threads", "less than or equal to 1024"]),
+                     ["build.onnxruntime.intra_op_threads = 100000000000000000: must be an integer in [0, 1024]"]),
     "seed_negative": ("quantize:\n  calibration: {seed: -1}\n", ["quantize.calibration.seed"]),
     "eval_empty": ("validate:\n  eval: []\n", ["validate.eval", "at least 1 item"]),
     "eval_unknown_set": ("validate:\n  eval: [{set: wikii, split: eval, samples: 2, seq_len: 16}]\n",
@@ -121,7 +121,7 @@ def test_malformed_recipe_file(case, tmp_path, capsys, monkeypatch):
 
 # plan-time checks that need model facts (bundled config of SmolLM2: widths 576 / 1536)
 @pytest.mark.parametrize("block, expect", [
-    (48, "quantize.block_size: 48 is not a power of two >= 16"),
+    (48, "quantize.block_size: must be a power of two >= 16 (ONNX Runtime's MatMulNBits block sizes: 16, 32, 64, 128, 256), got 48"),
     (128, "quantize.block_size: 128 does not divide the input width of q/k/v_proj"),
 ])
 def test_int4_block_size_checked_at_plan_time(block, expect, capsys, monkeypatch):
@@ -141,6 +141,14 @@ OVERRIDE_CASES = {
     "unknown_set": ("quantize.calibration.set=nosuch", "quantize.calibration: data set 'nosuch'"),
     "bad_name": ("name=a/b", "name = 'a/b' is not a valid recipe name"),
     "huge_int": ("validate.prompts.max_new_tokens=99999999999999999999", "validate.prompts.max_new_tokens"),
+    "option_typo": ("quantize.options.smoothquant_alpah=0.3",
+                    "unknown key; did you mean 'quantize.options.smoothquant_alpha'?"),
+    "option_value": ("quantize.options.method=rtn", "quantize.options.method: 'rtn' is not allowed"),
+    "option_type": ("quantize.options.per_channel=maybe", "quantize.options.per_channel: Input should be a valid boolean"),
+    "option_bounds": ("quantize.options.smoothquant_alpha=1.5", "quantize.options.smoothquant_alpha: must be a number in [0, 1]"),
+    "block_not_pow2": ("quantize.block_size=48", "quantize.block_size: must be a power of two >= 16"),
+    "kv_cache_foreign": ("quantize.kv_cache=int8", "quantize.kv_cache: 'int8' is a tensorrt_llm setting"),
+    "string_for_int": ("quantize.calibration.samples='64'", "quantize.calibration.samples = '64'"),
 }
 
 
@@ -150,6 +158,22 @@ def test_malformed_override(case, capsys, monkeypatch):
     code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", "smollm2-135m-int8", "--set", item)
     assert code == 2, out
     assert expect in out, out
+
+
+@pytest.mark.parametrize("recipe, item, expect", [
+    ("smollm2-135m-fp32", "quantize.options.method=mixed", "quantize.options.method: unknown key (no key is allowed here)"),
+    ("smollm2-135m-int4", "quantize.alpha=0.5", "quantize.alpha: not read by build.target 'onnxruntime' with algo "
+                                               "'int4_wo' (read by: onnxruntime int8)"),
+    ("smollm2-135m-int4", "quantize.options.block_size=64", "quantize.block_size: quantize.options.block_size says "
+                                                           "the same; set one of them"),
+    ("smollm2-135m-trtllm-tp3", "quantize.options.blockwise=[lm_head]", "quantize.options.blockwise: unknown key "
+                                                                       "(allowed here: exclude)"),
+    ("smollm2-135m-trtllm-tp3", "quantize.qat.lr=0.5", None),       # not QAT: the section is still checked
+])
+def test_options_schema_per_target_and_algo(recipe, item, expect, capsys, monkeypatch):
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", recipe, "--set", item)
+    assert code == 2, out
+    assert (expect or "quantize.qat.lr = 0.5: must be a number in (0, 0.01]") in out, out
 
 
 def test_recipe_name_never_leaves_recipes_dir(tmp_path, capsys, monkeypatch):
@@ -169,6 +193,9 @@ ARG_CASES = {
     "build_until_before_from": (["build", "smollm2-135m-int8", "--from", "build", "--until", "export"],
                                 "--until export comes before --from build"),
     "build_bad_set": (["build", "smollm2-135m-int8", "--set", "validate.eval.-1.samples=4"], "is not a position"),
+    "build_option_typo": (["build", "smollm2-135m-int8", "--set", "quantize.options.smoothquant_alpah=0.3"],
+                          "quantize.options.smoothquant_alpah: unknown key; did you mean "
+                          "'quantize.options.smoothquant_alpha'?"),
     "plan_force": (["plan", "smollm2-135m-int8", "--force", "nosuch"], "--force nosuch: no such stage"),
     "memory_gpu": (["memory", "smollm2-135m-trtllm-tp3", "--gpu", "gtx480"], "unknown GPU 'gtx480'"),
     "data_set": (["data", "fetch", "nosuch"], "unknown data set(s) 'nosuch'"),

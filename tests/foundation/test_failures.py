@@ -226,7 +226,8 @@ def test_repository_changed_after_packaging_is_refused(tmp_path):
     file_digest(repo / "m" / "1" / "model.onnx.data")                # warm the stat cache
     _flip_keep_stat(repo / "m" / "1" / "model.onnx.data")
     assert file_problems(repo, read_manifest(repo)) == [
-        "m/1/model.onnx.data: content differs from manifest.json (modified after packaging); re-run `forge package`"]
+        "m/1/model.onnx.data: content differs from manifest.json (modified after packaging); rebuild it with "
+        "`forge build fake --force package`"]
     p = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", str(repo), "--port", "18999"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env=dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="300"))

@@ -7,7 +7,9 @@ import pytest
 from pipeline.errors import ForgeError
 from pipeline.eval.metrics import compare_logits
 from pipeline.ort.engine import OrtEngine
-from pipeline.ort.quantize import STATS_FILE, break_scales, quantize_onnx
+from pipeline.ort.quantize import STATS_FILE, quantize_onnx
+
+from broken_engine import break_scales   # tests/ort/broken_engine.py (pytest puts tests/ort on sys.path)
 
 
 @pytest.fixture(scope="module")

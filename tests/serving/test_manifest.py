@@ -51,7 +51,7 @@ def test_tampered_manifest_refused(packaged):
     m = json.loads(mf.read_text())
     m["files"]["ensemble/config.pbtxt"] = "0" * 64
     mf.write_text(json.dumps(m))
-    assert verify_deploy(packaged) == ["ensemble/config.pbtxt: content differs from manifest.json (modified after packaging); re-run `forge package`"]
+    assert verify_deploy(packaged) == ["ensemble/config.pbtxt: content differs from manifest.json (modified after packaging); rebuild it with `forge build tiny --force package`"]
 
 
 def test_onnxruntime_version_mismatch_refused(packaged):
@@ -60,7 +60,7 @@ def test_onnxruntime_version_mismatch_refused(packaged):
 
 
 def test_trtllm_version_and_sm_mismatch_refused(packaged):
-    # the package stage's shape (pipeline/stages/manifest.py): target "sm90", dist names for tools
+    # the package stage's shape (pipeline/stages/package.py): target "sm90", dist names for tools
     write_manifest(packaged, {"engine": "tensorrt_llm", "target": "sm90",
                               "recipe": {"name": "qwen7b-int8", "hash": "c" * 64, "resolved": {}},
                               "tools": {"tensorrt": "10.13.0", "tensorrt-llm": "1.2.0", "nvidia-modelopt": "0.47.0"}})
@@ -88,5 +88,5 @@ def test_gpu_target_needs_sm(packaged):
 
 
 def test_missing_manifest(tmp_path):
-    with pytest.raises(ForgeError, match="forge package"):
+    with pytest.raises(ForgeError, match=r"`forge build RECIPE`"):
         verify_deploy(tmp_path)

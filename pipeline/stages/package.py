@@ -1,0 +1,60 @@
+"""The package stage's shape, shared by every target: a Triton model repository written from the validated
+engine, plus ``manifest.json``, the lineage a deployment checks before it loads the engine."""
+
+from __future__ import annotations
+
+import json
+import platform
+
+from .. import __version__
+from ..env import tool_versions
+from .base import Stage, StageContext, payload_bytes
+from .common import set_digests
+
+MANIFEST_TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm")
+
+
+class PackageStage(Stage):
+    """Writes the repository (``write_repository``, per target) and its manifest; its payload leaves the cache, so
+    its inputs are re-hashed in full before it runs (``hands_off``)."""
+    name = "package"
+    needs = ("build", "validate", "evaluate", "source")
+    hands_off = True
+
+    def config(self, r):
+        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
+
+    def output_bytes(self, r, info, inputs):
+        return payload_bytes(inputs["build"]) + payload_bytes(inputs["source"]) if "build" in inputs else None
+
+    def write_repository(self, ctx: StageContext, evaluation: dict) -> tuple[dict | None, str, dict]:
+        """Fill ``ctx.out``; returns (metrics, manifest target: "cpu" or "sm90", build record for the manifest)."""
+        raise NotImplementedError
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..triton.manifest import write_manifest
+        evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
+        metrics, target, build = self.write_repository(ctx, evaluation)
+        write_manifest(ctx.out, manifest_info(ctx, target=target, evaluation=evaluation, build=build))
+        return metrics or {}
+
+
+def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = None) -> dict:
+    """What the repository was built from and for (pipeline/triton/manifest.py adds files and hardware)."""
+    r = ctx.recipe
+    source = json.loads((ctx.inputs["source"] / "source.json").read_text())
+    q = r.quantize
+    calib = set_digests(r, [(q.calibration.set, q.calibration.split)]) if q.algo != "none" else {}
+    evals = set_digests(r, [(e.set, e.split) for e in r.validate_.eval])
+    return {
+        "forge_version": __version__,
+        "recipe": {"name": r.name, "hash": r.hash, "resolved": r.to_dict()},
+        "model": {"source": source["spec"], "kind": source["kind"], "digest": source["digest"]},
+        "calibration": {"config": q.calibration.model_dump(), "digests": calib} if calib else None,
+        "evaluation_data": evals,
+        "tools": {k: v for k, v in tool_versions(MANIFEST_TOOLS).items() if v} | {"python": platform.python_version()},
+        "target": target,
+        "build": build or {},
+        "artifacts": ctx.extra.get("upstream_digests", {}),
+        "metrics": evaluation,
+    }

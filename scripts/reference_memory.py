@@ -21,10 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -87,28 +85,6 @@ def synthetic_checkpoint(out: Path, hf_config: dict, *, tp: int = 2, layers: int
     return {"layers": L, "tp": tp, "rank_bytes": [f.stat().st_size for f in sorted(out.glob("rank*.safetensors"))]}
 
 
-class PeakRss:
-    def __init__(self):
-        import psutil
-        self.p = psutil.Process()
-        self.peak = self.p.memory_info().rss
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.02):
-            self.peak = max(self.peak, self.p.memory_info().rss)
-
-    def __enter__(self):
-        self._t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._t.join()
-        self.peak = max(self.peak, self.p.memory_info().rss)
-
-
 def child(args) -> dict:
     """Runs in its own process: the reference over the ids, peak RSS and wall."""
     import torch
@@ -125,12 +101,11 @@ def child(args) -> dict:
     batches = [ids[i:i + args.batch] for i in range(0, ids.shape[0], args.batch)]
     if args.device == "cuda":
         torch.zeros(1, device="cuda")                    # CUDA context before the baseline
-    import psutil
-    base = psutil.Process().memory_info().rss
+    from pipeline.env import PeakRss, process_peak_rss_bytes
     nll = n = 0.0
     top1 = []
     t0 = time.perf_counter()
-    with PeakRss() as mem:
+    with PeakRss(interval=0.02, children=False) as mem:
         rm = ReferenceModel(ckpt, device=args.device)
         outs = (rm.iter_logits(batches) if args.passes == "one" else (rm.logits(b) for b in batches))
         for b, lg in zip(batches, outs):
@@ -149,8 +124,8 @@ def child(args) -> dict:
     sizes = [f.stat().st_size for f in ckpt.glob("rank*.safetensors")]
     res = {"device": args.device, "passes": args.passes, "samples": int(ids.shape[0]),
            "seq_len": int(ids.shape[1]), "batch": args.batch, "threads": torch.get_num_threads(),
-           "wall_s": round(wall, 2), "peak_rss_bytes": mem.peak, "baseline_rss_bytes": base,
-           "ru_maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+           "wall_s": round(wall, 2), "peak_rss_bytes": mem.peak, "baseline_rss_bytes": mem.start,
+           "ru_maxrss_bytes": process_peak_rss_bytes(),
            "largest_rank_file_bytes": max(sizes), "checkpoint_bytes": sum(sizes),
            "peak_rss_vs_largest_rank_file": round(mem.peak / max(sizes), 3),
            "ppl": round(float(torch.exp(torch.tensor(nll / n))), 3)}

@@ -15,11 +15,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .env import atomic_write
+from .env import atomic_write, cpu_model
 from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
 from .status import Status, overall
+
+def machine() -> dict:
+    """Where a report was made (the CPU as pipeline/env.py names it, like manifests and forge doctor)."""
+    return {"platform": platform.platform(), "python": platform.python_version(), "processor": cpu_model(),
+            "arch": platform.machine()}
+
 
 def overall_status(results: list[StageResult]) -> Status:
     return overall(r.status for r in results)
@@ -44,8 +50,7 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
         "status": overall_status(results),
         "wall_s": round(wall_s, 3),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "stages": [asdict(r) | {"duration_s": round(r.duration_s, 3), "peak_rss_mb": round(r.peak_rss_mb, 1)}
                    for r in results],
     })
@@ -70,8 +75,7 @@ def invalid_report(name: str, error: Exception) -> dict:
         "status": Status.INVALID,
         "wall_s": 0.0,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "problems": problems,
         "stages": [{"name": "resolve", "status": Status.FAILED, "key": None, "duration_s": 0.0, "peak_rss_mb": 0.0,
                     "metrics": {}, "message": "\n".join(problems[:50]), "payload": None,

@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import get_args
 
 from pipeline.gpus import min_sm
 from pipeline.modelinfo import ModelInfo
+from pipeline.recipe import TARGET_ALGOS, QuantizeSection
 from pipeline.trtllm.build_config import KV_CACHE_ALGO, QUANT_ALGO
 
-METHODS = ("ptq", "qat", "none")
-ALGOS = ("int8_sq", "int8_wo", "int4_wo", "int4_awq", "fp8", "none")      # TARGET_ALGOS["tensorrt_llm"]
-KV_CACHE = ("none", "int8", "fp8")
+# the recipe schema's choices (pipeline/recipe.py), for callers of this module
+METHODS = get_args(QuantizeSection.model_fields["method"].annotation)
+ALGOS = tuple(sorted(TARGET_ALGOS["tensorrt_llm"]))
+KV_CACHE = get_args(QuantizeSection.model_fields["kv_cache"].annotation)
 INT4_ALGOS = ("int4_wo", "int4_awq")
 # SmoothQuant migration strength when quantize.alpha is unset: ModelOpt's own default. On SmolLM2
 # (docs/quantization.md) 1.0 loses less than 0.5 (+22.9 % vs +29.5 % perplexity); both lose a lot.
@@ -31,7 +33,6 @@ DEFAULT_ALPHA = 1.0
 
 
 def _defaults() -> dict:
-    from pipeline.recipe import QuantizeSection
     return QuantizeSection().model_dump()
 
 
@@ -88,7 +89,7 @@ def validate_quant_config(q: dict | None, info: ModelInfo) -> list[str]:
     """All problems in the ``quantize:`` section of a tensorrt_llm recipe at once, each naming ``quantize.<key>``:
     the recipe schema and its rules (pipeline/recipe.py, the one schema), then what needs this model's facts --
     the int4 group size against the linear widths and the sequence lengths against the context length."""
-    from pipeline.recipe import QuantizeSection, deep_merge, quantize_problems, section_problems
+    from pipeline.recipe import deep_merge, quantize_problems, section_problems
     raw = dict(q or {})
     facts: list[str] = []
     given = deep_merge(_defaults(), {k: v for k, v in raw.items() if k in _defaults()})

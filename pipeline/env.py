@@ -259,7 +259,10 @@ def atomic_write(path: Path, data: str | bytes) -> Path:
     """Write ``path`` through a temp file beside it and a rename: a reader sees the old or the new file, never
     half of one (and a crash leaves at most a stray ``.<name>.*.tmp``)."""
     with _beside(path) as tmp:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())    # the rename must not publish a file whose bytes are still in flight
     return Path(path)
 
 

@@ -158,10 +158,17 @@ class TrtllmBuild(Section):
 
 
 class TensorrtBuild(Section):
-    precision: Literal["fp32", "fp16", "int8", "fp8"] = "fp16"
-    workspace_gib: float = Field(4.0, gt=0, le=1024)
-    max_batch_size: int = Field(4, ge=1, le=MAX_BATCH)
-    max_seq_len: int = Field(1024, ge=1, le=MAX_SEQ_LEN)
+    precision: Literal["fp32", "fp16"] = Field("fp16", description=(
+        "what the unquantized layers run in; the quantize stage writes it into the graph (quantize.algo int8/fp8 "
+        "adds QDQ around the weight MatMuls) and TensorRT builds that graph strongly typed. No bf16: the graph "
+        "must also run on ONNX Runtime's CPU provider (evaluate_qdq), which has no bf16 MatMul"))
+    gpu_sm: Optional[int] = Field(None, ge=30, le=200, description=(
+        "compute capability the engine is for, e.g. 89 or 90; detected when a GPU is present (needed to plan fp8 "
+        "on a machine without one)"))
+    workspace_gib: float = Field(4.0, gt=0, le=1024, description="TensorRT builder workspace (memory pool limit)")
+    builder_optimization_level: Optional[int] = Field(None, ge=0, le=5, description="TensorRT's default when null")
+    max_batch_size: int = Field(4, ge=1, le=MAX_BATCH, description="optimisation profiles: largest batch")
+    max_seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="optimisation profiles: largest past + new tokens")
 
 
 class BuildSection(Section):

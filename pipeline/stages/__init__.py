@@ -18,8 +18,8 @@ def flow_for(target: str) -> list[Stage]:
         classes = [SourceStage, ModeloptQuantize, TrtllmCheckpoint, CheckpointEvaluate, ValidateCheckpointStage,
                    TrtllmBuildStage, TrtllmEvaluate, ValidateStage, TrtllmPackage]
     elif target == "tensorrt":
-        from .tensorrt import TensorrtBuildStage
-        classes = [SourceStage, OrtExport, OrtQuantize, TensorrtBuildStage]
+        from .tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
+        classes = [SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage]
     else:
         raise ValueError(f"unknown build.target {target!r}")
     return [c() for c in classes]

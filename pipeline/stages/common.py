@@ -43,6 +43,12 @@ def set_digests(r: Recipe, sets: list[tuple[str, str]]) -> dict:
     return {f"{s}/{sp}": datasets.set_digest(s, sp) for s, sp in sets}
 
 
+def calibration_digests(r: Recipe) -> dict:
+    """The calibration set's digest, for quantize stages that calibrate whenever quantize.algo is not none."""
+    c = r.quantize.calibration
+    return set_digests(r, [(c.set, c.split)]) if r.quantize.algo != "none" else {}
+
+
 def calibration_windows(ctx):
     c = ctx.recipe.quantize.calibration
     return windows(ctx, c.set, c.split, c.samples, c.seq_len, c.seed)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .base import Stage, StageContext, cpu_hardware, payload_bytes
-from .common import calibration_windows, model_dir, set_digests, tokenizer
+from .common import calibration_digests, calibration_windows, model_dir, tokenizer
 from .evaluate import EvaluateBase
 from .package import PackageStage
 
@@ -54,8 +54,7 @@ class OrtQuantize(Stage):
         return cfg
 
     def data(self, r, home):
-        q = r.quantize
-        return set_digests(r, [(q.calibration.set, q.calibration.split)]) if q.algo != "none" else {}
+        return calibration_digests(r)
 
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph

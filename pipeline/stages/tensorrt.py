@@ -55,17 +55,6 @@ class TensorrtQuantize(Stage):
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph
 
-    def plan_problems(self, r, info):
-        p = []
-        try:
-            self._options(r)
-        except ForgeError as e:
-            p.append(str(e))
-        if r.quantize.block_size is not None:
-            p.append("quantize.block_size does not apply to build.target 'tensorrt' (per-channel INT8 / per-tensor "
-                     "FP8 weights); remove it")
-        return p
-
     def run(self, ctx: StageContext) -> dict:
         from ..tensorrt.quantize import quantize_for_tensorrt
         r = ctx.recipe

@@ -102,11 +102,15 @@ def test_fp8_needs_a_named_gpu_with_sm_89(monkeypatch):
 
 
 def test_other_plan_problems_name_the_key(monkeypatch):
-    p = _problems("smollm2-135m-trt-int8", ["build.tensorrt.max_seq_len=9000", "quantize.block_size=64",
-                                            "quantize.options.smoothquant_alpah=0.3"], monkeypatch)
+    from pipeline.errors import RecipeError
+    p = _problems("smollm2-135m-trt-int8", ["build.tensorrt.max_seq_len=9000"], monkeypatch)
     assert any("build.tensorrt.max_seq_len = 9000 exceeds" in x for x in p)
-    assert any("quantize.block_size does not apply" in x for x in p)
-    assert any("quantize.options.smoothquant_alpah" in x for x in p)
+    # quantize keys the tensorrt quantizer does not read are refused when the recipe loads (exit 2), with did-you-mean
+    with pytest.raises(RecipeError) as e:
+        _problems("smollm2-135m-trt-int8", ["quantize.block_size=64", "quantize.options.smoothquant_alpah=0.3"],
+                  monkeypatch)
+    assert "quantize.block_size: not read by build.target 'tensorrt'" in str(e.value)
+    assert "did you mean 'quantize.options.smoothquant_alpha'" in str(e.value)
 
 
 def test_build_stage_reads_its_own_gpu_sm(monkeypatch):

@@ -29,7 +29,7 @@ METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/
 
 # ----------------------------------------------------------------------------- facts
 def machine_facts(threads: int) -> dict:
-    from pipeline.doctor import _cpu_model
+    from pipeline.env import cpu_facts
 
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -43,7 +43,7 @@ def machine_facts(threads: int) -> dict:
             vers[d] = md.version(d)
         except Exception:
             vers[d] = None
-    return {"cpu_model": _cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
+    return {**cpu_facts(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
             "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
             "os": platform.platform(), "python": platform.python_version(), "versions": vers,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -195,7 +195,8 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     s = results["settings"]
     lines = [f"# forge bench — {m['date']}", "",
-             f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, {s['threads']} threads per engine; "
+             f"Machine: {m['cpu_model']} (ISA class {m.get('isa_class', 'not recorded')}), {m['usable_cpus']} usable "
+             f"CPUs, {s['threads']} threads per engine; "
              f"OPENBLAS_NUM_THREADS={m['env'].get('OPENBLAS_NUM_THREADS')}, "
              f"OMP_NUM_THREADS={m['env'].get('OMP_NUM_THREADS')}; load average at start "
              f"{', '.join(f'{x:.2f}' for x in (m.get('load_avg_at_start') or []))}; onnxruntime "
@@ -293,7 +294,7 @@ def chart(results: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     m = results["machine"]
-    fig.suptitle(f"SmolLM2-135M on {m['cpu_model']}, {results['settings']['threads']} threads "
+    fig.suptitle(f"SmolLM2-135M on {m['cpu_model']} ({m.get('isa_class', '?')}), {results['settings']['threads']} threads "
                  f"(medians of {results['settings']['reps']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

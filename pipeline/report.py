@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .env import cpu_facts
 from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
@@ -51,7 +52,7 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
         "wall_s": round(wall_s, 3),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"platform": platform.platform(), "python": platform.python_version(),
-                    "processor": platform.processor() or platform.machine()},
+                    "processor": platform.processor() or platform.machine(), **cpu_facts()},
         "stages": [asdict(r) | {"duration_s": round(r.duration_s, 3), "peak_rss_mb": round(r.peak_rss_mb, 1)}
                    for r in results],
     })

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .base import Stage, StageContext, cpu_hardware, payload_bytes
+from .base import Stage, StageContext, cpu_hardware, cpu_isa_hardware, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, tokenizer
 from .evaluate import EvaluateBase
 
@@ -53,6 +53,9 @@ class OrtQuantize(Stage):
         return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph
 
     def hardware(self, r):
+        # Portable across ISA classes: the quantized graph is a file for every CPU. Calibration runs ORT's FP32
+        # kernels, whose last bits differ between ISAs, but no quantization decision depends on them in a way
+        # that matters: each ISA class measures the engine itself in build/evaluate, which are keyed by it.
         return cpu_hardware()
 
     def plan_problems(self, r, info):
@@ -102,7 +105,8 @@ class OrtBuildStage(Stage):
         return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
 
     def hardware(self, r):
-        return cpu_hardware()   # optimised graphs may hold hardware-specific fusions
+        # ORT's optimiser consults the CPU's kernels (e.g. rewrites for machines whose u8s8 GEMM saturates)
+        return cpu_isa_hardware()
 
     def run(self, ctx: StageContext) -> dict:
         import numpy as np
@@ -117,10 +121,19 @@ class OrtBuildStage(Stage):
 
 class OrtEvaluate(EvaluateBase):
     name = "evaluate"
+    version = "2"   # 2: keyed by the CPU's ISA class, metrics record the CPU they were measured on
     needs = ("build", "source")
     tools = ("torch", "transformers", "onnxruntime")
     subject = "onnxruntime engine"
     description = "ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation"
+
+    def hardware(self, r):
+        # ONNX Runtime's int8 kernels compute different numbers per ISA class (pipeline/env.py)
+        return cpu_isa_hardware()
+
+    def measured_on(self):
+        from ..env import cpu_facts
+        return cpu_facts()
 
     def candidate(self, ctx):
         from ..ort.engine import OrtEngine
@@ -129,7 +142,7 @@ class OrtEvaluate(EvaluateBase):
 
 class OrtPackage(Stage):
     name = "package"
-    version = "3"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest)
+    version = "4"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on
     needs = ("build", "validate", "evaluate", "source")
     tools = ORT_TOOLS
     description = "Triton model repository (ensemble text in / text out) + manifest.json"
@@ -148,5 +161,9 @@ class OrtPackage(Stage):
         evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
         res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                      recipe=ctx.recipe.to_dict(), metrics=evaluation)
-        write_manifest(ctx.out, manifest_info(ctx, target="cpu", evaluation=evaluation))
+        info = manifest_info(ctx, target="cpu", evaluation=evaluation)
+        # what verify-deploy needs to judge the engine on another CPU (pipeline.ort.quantize.isa_accuracy_risk)
+        from ..ort.export import META_FILE
+        info["quantization"] = json.loads((ctx.inputs["build"] / META_FILE).read_text()).get("quantization")
+        write_manifest(ctx.out, info)
         return res or {}

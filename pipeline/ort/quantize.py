@@ -3,8 +3,8 @@
 Algorithms (``algo``):
 
 * ``int8``    -- 8-bit weights for every weight MatMul and the embedding; ``options["method"]`` picks
-  ``dynamic`` (per-channel int8 weights, per-tensor int8 activations computed at run time, which ORT's CPU kernels
-  run as DynamicQuantizeMatMul / MatMulInteger), ``blockwise`` (MatMulNBits 8-bit, block 32, accuracy_level 4:
+  ``dynamic`` (per-channel 8-bit weights, per-tensor uint8 activations computed at run time, which ORT's CPU kernels
+  run as DynamicQuantizeMatMul / MatMulInteger; weights are uint8 by default, see ``INT8_DEFAULTS``), ``blockwise`` (MatMulNBits 8-bit, block 32, accuracy_level 4:
   activations quantized per token and block at run time) or ``mixed`` (default: ``blockwise`` for the MatMuls
   matching ``options["blockwise"]`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
   after SmoothQuant (``smoothquant_alpha``, calibrated on ``calib_windows``) folded into the RMSNorm weights.
@@ -51,6 +51,17 @@ ALGOS = ("none", "int8", "int4_wo")
 #   blockwise (MatMulNBits 8-bit) everywhere ppl +0.6 %, top-1 96 %, 1.09x  (accurate, not faster)
 #   mixed: blockwise down_proj + lm_head, dynamic elsewhere, SmoothQuant 0.5 on q/k/v and gate/up inputs
 #                                            ppl +1.8 %, top-1 93 %, 1.43-1.66x, 0.32x size   <- default
+# Weight type of the dynamic MatMuls (issue 11): ORT's u8 x s8 kernels saturate 16-bit pair sums on x86 without
+# VNNI/AMX (isa_accuracy_risk below), so the same s8 engine measured ppl +0.98 % on an AMX CPU and +5.9 % on an
+# AVX2-only EPYC. uint8 weights (symmetric, zero point 128) run on MLAS's u8 x u8 kernels, which widen to 16 bits
+# before multiplying: exact on every ISA class. Measured with the recipe's eval (12 x 256 tokens, vs FP32 torch),
+# AMX CPU (x86_64-amx) / emulated AVX2 (qemu-x86_64 -cpu Haswell, x86_64-avx2):
+#   s8 full range (before)          +0.98 %, top-1 92.7 % on AMX; saturates on AVX2 (+5.9 % in the issue)
+#   s8 reduce_range (7-bit)         +1.81 %, top-1 90.7 % (exact everywhere; keeps VNNI/AMX u8s8 kernels)
+#   u8 asymmetric                   +1.68 %, top-1 92.9 %
+#   u8 symmetric (zero point 128)   +1.13 %, top-1 92.3 %                                             <- default
+#   blockwise everywhere            -0.11 %, top-1 96.0 % (slow, see above)
+# docs: README ("What the default build measures") has both ISAs' numbers and the speed.
 INT8_DEFAULTS = {"method": "mixed", "blockwise": ["*.mlp.down_proj", "lm_head"], "smoothquant_alpha": 0.5,
                  "smoothquant_only": ["*.q_proj", "*.gate_proj"], "weight_type": "uint8"}
 STATS_FILE = "quant_stats.json"

@@ -51,19 +51,20 @@ ALGOS = ("none", "int8", "int4_wo")
 #   blockwise (MatMulNBits 8-bit) everywhere ppl +0.6 %, top-1 96 %, 1.09x  (accurate, not faster)
 #   mixed: blockwise down_proj + lm_head, dynamic elsewhere, SmoothQuant 0.5 on q/k/v and gate/up inputs
 #                                            ppl +1.8 %, top-1 93 %, 1.43-1.66x, 0.32x size   <- default
-# Weight type of the dynamic MatMuls (issue 11): ORT's u8 x s8 kernels saturate 16-bit pair sums on x86 without
-# VNNI/AMX (isa_accuracy_risk below), so the same s8 engine measured ppl +0.98 % on an AMX CPU and +5.9 % on an
-# AVX2-only EPYC. uint8 weights (symmetric, zero point 128) run on MLAS's u8 x u8 kernels, which widen to 16 bits
-# before multiplying: exact on every ISA class. Measured with the recipe's eval (12 x 256 tokens, vs FP32 torch),
-# AMX CPU (x86_64-amx) / emulated AVX2 (qemu-x86_64 -cpu Haswell, x86_64-avx2):
-#   s8 full range (before)          +0.98 %, top-1 92.7 % on AMX; saturates on AVX2 (+5.9 % in the issue)
-#   s8 reduce_range (7-bit)         +1.81 %, top-1 90.7 % (exact everywhere; keeps VNNI/AMX u8s8 kernels)
-#   u8 asymmetric                   +1.68 %, top-1 92.9 %
-#   u8 symmetric (zero point 128)   +1.13 %, top-1 92.3 %                                             <- default
-#   blockwise everywhere            -0.11 %, top-1 96.0 % (slow, see above)
-# docs: README ("What the default build measures") has both ISAs' numbers and the speed.
+# Weights of the dynamic MatMuls (issue 11): ORT's u8 x s8 kernels sum pairs of products in saturating 16-bit lanes on
+# x86 without VNNI/AMX (isa_accuracy_risk below), so the same full-range s8 engine measured ppl +0.98 % on an AMX CPU
+# and +5.9 % on an AVX2-only EPYC. Candidates, measured natively on x86_64-amx with the recipe's eval (12 x 256
+# tokens vs FP32 torch) and the INT8/FP32 prefill ratio (CPU time of one thread, 4 x 256 tokens, shared machine):
+#   s8 full range (before)           ppl +0.98 %, top-1 92.7 %, 1.22x; saturates on AVX2 (+5.9 %, issue 11)
+#   s8 reduce_range (7-bit, [-64, 64]) +1.81 %, top-1 90.7 %, 1.50x; 2 x 255 x 64 < 2^15: exact on every ISA,
+#                                    and it keeps the fast u8s8 kernels (VNNI, AMX, AVX2 vpmaddubsw)      <- default
+#   u8 symmetric (zero point 128)    +1.13 %, top-1 92.3 %, 0.92x; exact everywhere (MLAS u8u8 kernels widen to
+#                                    16 bits) but those kernels are slower than FP32 here: no speed-up
+#   u8 asymmetric                    +1.68 %, top-1 92.9 %, 1.06x
+#   blockwise everywhere             -0.11 %, top-1 96.0 %, 0.88x
+# On an emulated AVX2 CPU (qemu-x86_64 -cpu Haswell) the exact methods compute what they compute on AMX: README.
 INT8_DEFAULTS = {"method": "mixed", "blockwise": ["*.mlp.down_proj", "lm_head"], "smoothquant_alpha": 0.5,
-                 "smoothquant_only": ["*.q_proj", "*.gate_proj"], "weight_type": "uint8"}
+                 "smoothquant_only": ["*.q_proj", "*.gate_proj"], "weight_type": "int8", "reduce_range": True}
 STATS_FILE = "quant_stats.json"
 
 
@@ -550,7 +551,7 @@ def isa_accuracy_risk(quantization: dict, isa_class: str) -> str | None:
     MLAS runs u8 activations x s8 weights on AVX2 and AVX-512 without VNNI with vpmaddubsw, which sums pairs of
     products in saturating 16-bit lanes: 2 x 255 x 127 overflows, so full-range int8 weights lose accuracy there
     (microsoft/onnxruntime onnxruntime/core/mlas/lib/platform.cpp: MlasGemmU8S8KernelAvx2 / ...Avx512Core; the
-    session option ``session.x64quantprecision`` documents the same overflow). 7-bit weights (2 x 255 x 63) and u8
+    session option ``session.x64quantprecision`` documents the same overflow). 7-bit weights (2 x 255 x 64) and u8
     weights (MLAS's u8 x u8 kernels widen to 16 bits before multiplying) are exact on every class."""
     from pipeline.env import U8S8_SATURATING
 

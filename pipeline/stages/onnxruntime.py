@@ -33,7 +33,7 @@ class OrtExport(Stage):
 
 class OrtQuantize(Stage):
     name = "quantize"
-    version = "3"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: int8 dynamic weights uint8 (issue 11)
+    version = "3"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: int8 dynamic weights 7-bit (reduce_range, issue 11)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
     description = "ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data"

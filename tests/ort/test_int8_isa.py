@@ -27,7 +27,7 @@ from pipeline.ort.quantize import INT8_DEFAULTS, _nbits, int8_dynamic
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("isa_probe.py")
 K, N, M = 576, 576, 64         # SmolLM2's hidden size
-FORGE_MAX_ERR = 0.01           # forge's INT8 kernels: measured 0.43-0.54 % on AVX2 (qemu) and AMX alike
+FORGE_MAX_ERR = 0.015          # forge's INT8 kernels: 0.83 % (7-bit dynamic), 0.54 % (blockwise), AVX2 and AMX alike
 SATURATED_MIN_ERR = 0.03       # full-range s8 on a saturating class: measured 9.2 % (qemu Haswell)
 
 

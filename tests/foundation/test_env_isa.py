@@ -79,3 +79,32 @@ def test_proc_cpuinfo_is_only_the_fallback(monkeypatch):
         assert set(isa["flags"]) <= env.ISA_FLAG_NAMES
     finally:
         env.cpu_isa.cache_clear()
+
+
+def test_isa_dependent_stages_name_the_class_in_their_key():
+    """build (ORT's optimised graph) and evaluate (measured numbers) are keyed by the ISA class; the quantized file
+    is the same for every CPU; validate / package follow evaluate through its digest."""
+    from pipeline.recipe import resolve
+    from pipeline.stages import flow_for
+
+    r = resolve("smollm2-135m-int8")
+    hw = {s.name: s.hardware(r) for s in flow_for("onnxruntime")}
+    isa = f"cpu:{env.cpu_isa_class()}"
+    assert hw["build"] == hw["evaluate"] == isa
+    assert hw["quantize"] == f"cpu:{env.platform.machine()}"
+    assert hw["validate"] == hw["package"] == "any"
+
+
+def test_plan_shows_the_hardware(monkeypatch, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
+    res = CliRunner().invoke(app, ["plan", "smollm2-135m-int8", "--json"])
+    assert res.exit_code == 0, res.output
+    stages = {s["name"]: s for s in json.loads(res.output)["stages"]}
+    assert stages["evaluate"]["hardware"] == stages["build"]["hardware"] == f"cpu:{env.cpu_isa_class()}"
+    res = CliRunner().invoke(app, ["plan", "smollm2-135m-int8"])
+    assert f"cpu:{env.cpu_isa_class()}" in res.output

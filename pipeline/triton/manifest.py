@@ -194,19 +194,19 @@ def deploy_warnings(repo_dir, env: dict | None = None) -> list[str]:
     """
     m = read_manifest(repo_dir)
     env = env or current_env()
-    hw = m.get("hardware") or {}
+    hw = _obj(m.get("hardware"))
     if m.get("engine") != "onnxruntime" or hw.get("kind") != "cpu":
         return []
     built, here = hw.get("validated_isa_class"), env.get("cpu_isa_class")
-    rname = (m.get("recipe") or {}).get("name", "RECIPE")
+    rname = _obj(m.get("recipe")).get("name", "RECIPE")
     if not built:
         return [f"manifest.json does not record the CPU ISA class the engine was validated on (packaged before forge "
                 f"recorded it); this CPU is {here}: run `forge build {rname}` here to validate it on this CPU"]
     if built == here:
         return []
     from pipeline.ort.quantize import isa_accuracy_risk
-    quant = ((m.get("recipe") or {}).get("resolved") or {}).get("quantize") or {}
-    risk = isa_accuracy_risk(m.get("quantization") or quant, here)
+    quant = _obj(m.get("quantization")) or _obj(_obj(_obj(m.get("recipe")).get("resolved")).get("quantize"))
+    risk = isa_accuracy_risk(quant, here)
     why = (f"its int8 method is known to lose accuracy here: {risk}" if risk else
            "its int8 method is not known to lose accuracy here, but its numbers were not measured on this class")
     return [f"the engine was validated on {built} ({hw.get('validated_cpu_model') or 'unknown CPU'}), this CPU is "

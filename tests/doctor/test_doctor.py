@@ -229,7 +229,7 @@ def test_isa_class_reported_and_rendered(capsys):
 
 
 def test_int8_method_known_to_lose_accuracy_on_this_isa_is_a_warning():
-    quants = {"recipe old-int8": {"algo": "int8", "options": {"weight_type": "int8"}},      # full-range s8
+    quants = {"recipe old-int8": {"algo": "int8", "options": {"reduce_range": False}},      # full-range s8
               "recipe default-int8": {"algo": "int8", "options": {}},                       # forge's default
               "recipe int4": {"algo": "int4_wo", "options": {}},
               "engine out/x/engine": {"algo": "int8", "method": "mixed", "quantized_matmuls": 211}}  # pre-issue-11 engine

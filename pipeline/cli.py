@@ -74,11 +74,19 @@ def _plan_table(runner, plans) -> Table:
     t.add_column("stage")
     t.add_column("status")
     t.add_column("key")
+    t.add_column("hardware")
     t.add_column("why")
     colors = {Status.HIT: "green", Status.MISS: "cyan", Status.CANNOT_RUN_HERE: "yellow", Status.BLOCKED: "yellow", Status.CORRUPT: "red"}
+    hardware = _stage_hardware(runner)
     for p in plans:
-        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12], escape(p.reason))
+        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12],
+                  escape(hardware.get(p.name, "")), escape(p.reason))
     return t
+
+
+def _stage_hardware(runner) -> dict[str, str]:
+    """The hardware component of each stage's key (e.g. cpu:x86_64-avx2 where numbers depend on the CPU's ISA)."""
+    return {s.name: s.hardware(runner.recipe) for s in runner.stages}
 
 
 @app.command()
@@ -93,8 +101,8 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
     plans = runner.plan(set(force or []))
     if as_json:
         console.print_json(json.dumps({"recipe": r.name, "hash": r.hash, "problems": problems, "stages": [
-            {"name": p.name, "status": p.status, "key": p.key, "reason": p.reason, "changed": p.changed}
-            for p in plans]}))
+            {"name": p.name, "status": p.status, "key": p.key, "hardware": _stage_hardware(runner)[p.name],
+             "reason": p.reason, "changed": p.changed} for p in plans]}))
     else:
         console.print(_plan_table(runner, plans))
         if not problems:
@@ -321,11 +329,13 @@ def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e
 @app.command("verify-deploy")
 def verify_deploy(repo: Path):
     """Check a packaged repository's manifest against this environment (TensorRT/TRT-LLM versions, GPU SM)."""
-    from .triton.manifest import MANIFEST, verify_deploy as check
+    from .triton.manifest import MANIFEST, deploy_warnings, verify_deploy as check
     if not (repo / MANIFEST).is_file():
         raise UsageError(f"{repo}: no {MANIFEST} here; give the directory of a packaged repository "
                          f"(out/RECIPE/triton_repo after `forge build RECIPE`)")
     problems = check(repo)
+    for w in deploy_warnings(repo):
+        err.print(f"[yellow]warning:[/] {escape(w)}")
     if problems:
         for p in problems:
             err.print(f"[red]-[/] {escape(p)}")

@@ -119,6 +119,7 @@ def _compact(cpus: list[int]) -> str:
 
 
 def collect_host() -> dict[str, Any]:
+    from .env import cpu_isa
     nodes = {}
     base = Path("/sys/devices/system/node")
     for d in sorted(base.glob("node[0-9]*")) if base.exists() else []:
@@ -140,6 +141,7 @@ def collect_host() -> dict[str, Any]:
     return {
         "os": platform.platform(),
         "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
         "logical_cpus": os.cpu_count(),
         "process_cpus": _compact(affinity),
         "process_cpu_count": len(affinity),
@@ -307,6 +309,65 @@ def gpu_findings(g: dict, host: dict) -> list[dict]:
     return out
 
 
+def _engine_quantizations(root: Path) -> dict[str, dict]:
+    """Where `make engine` / `forge build --report-dir` linked engines (``out/<recipe>/engine``): their
+    quantization as recorded in the engine's own metadata."""
+    import json
+
+    from .ort.export import META_FILE
+
+    out = {}
+    for meta in sorted(root.glob("out/*/engine/" + META_FILE)):
+        try:
+            q = json.loads(meta.read_text()).get("quantization")
+        except (OSError, ValueError):
+            continue
+        if q:
+            out[f"engine {meta.parent}"] = q
+    return out
+
+
+def _recipe_quantizations() -> dict[str, dict]:
+    """The onnxruntime INT8 recipes shipped in recipes/, as resolved (their quantize section)."""
+    from .errors import ForgeError
+    from .recipe import list_recipes, resolve
+
+    out = {}
+    for name in list_recipes():
+        try:
+            r = resolve(name)
+        except ForgeError:
+            continue
+        if r.build.target == "onnxruntime" and r.quantize.algo != "none":
+            out[f"recipe {name}"] = r.quantize.model_dump()
+    return out
+
+
+def isa_findings(host: dict, quantizations: dict[str, dict]) -> list[dict]:
+    """The CPU's ISA class (pipeline/env.py) against the INT8 methods of recipes / built engines
+    (``quantizations``: label -> quantize section or engine quantization metadata)."""
+    from .ort.quantize import isa_accuracy_risk
+
+    isa = host.get("cpu_isa") or {}
+    cls = isa.get("class")
+    out = []
+    if not cls:
+        return out
+    if isa.get("source") == "/proc/cpuinfo" and cls.startswith("x86_64"):
+        out.append(_finding("warning", f"CPU ISA class {cls} was read from /proc/cpuinfo, not CPUID (cpuid-native is "
+                                       "not installed): under an emulator it shows the host's CPU, not the one "
+                                       "ONNX Runtime runs on",
+                            "pip install cpuid-native (`make setup` installs it)"))
+    for label, q in quantizations.items():
+        risk = isa_accuracy_risk(q, cls)
+        if risk:
+            out.append(_finding("warning", f"{label}: its INT8 method is known to lose accuracy on this CPU ({cls}): "
+                                           f"{risk}",
+                                "use the default INT8 method (drop quantize.options.method / weight_type / "
+                                "reduce_range overrides) and rebuild; `forge build RECIPE` validates it on this CPU"))
+    return out
+
+
 def host_findings(host: dict, versions: dict) -> list[dict]:
     out = []
     n = host.get("process_cpu_count") or 1
@@ -328,13 +389,18 @@ def host_findings(host: dict, versions: dict) -> list[dict]:
     return out
 
 
-def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None) -> dict:
+def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None,
+               quantizations: dict[str, dict] | None = None) -> dict:
     """Collect versions, host facts and GPU facts; return them with findings (problem + fix).
 
-    ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests).
+    ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests);
+    ``quantizations`` (label -> quantize section / engine metadata) defaults to the shipped onnxruntime recipes and
+    the engines linked under ./out.
     """
     versions = dict(versions) if versions is not None else collect_versions()
     host = dict(host) if host is not None else collect_host()
+    if quantizations is None:
+        quantizations = {**_recipe_quantizations(), **_engine_quantizations(Path.cwd())}
     findings: list[dict] = []
     gpus: list[dict] = []
     try:
@@ -354,6 +420,7 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
     for g in gpus:
         findings.extend(gpu_findings(g, host))
     findings.extend(host_findings(host, versions))
+    findings.extend(isa_findings(host, quantizations))
     if gpus:
         tc = versions.get("torch_cuda")
         if versions.get("torch") and not tc:
@@ -403,6 +470,10 @@ def render_doctor(report: dict, console) -> None:
     console.print(f"host: {h.get('cpu_model')}, {h.get('logical_cpus')} CPUs (this process: {h.get('process_cpus')}), "
                   f"NUMA nodes: {len(h.get('numa_nodes') or {}) or '?'}, RAM "
                   f"{mem.get('available_bytes', 0) / 2**30:.1f} of {mem.get('total_bytes', 0) / 2**30:.1f} GiB free")
+    isa = h.get("cpu_isa") or {}
+    if isa:
+        console.print(f"CPU ISA class: {isa.get('class')} (what changes ONNX Runtime's int8 numbers; from "
+                      f"{isa.get('source')}: {' '.join(isa.get('flags') or []) or 'no SIMD extensions'})")
     if report["gpus"]:
         gt = Table(title="GPUs")
         for c in ("#", "name", "SM", "memory", "PCIe now/max", "temp", "SM clock", "throttle", "NUMA", "CPUs", "pm"):

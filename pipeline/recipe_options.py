@@ -51,6 +51,21 @@ class OrtInt8Options(OrtOptions):
     - blockwise (MatMulNBits 8-bit) everywhere: ppl +0.6 %, top-1 96 %, 1.09x (accurate, not faster)
     - mixed: blockwise down_proj + lm_head, dynamic elsewhere, SmoothQuant 0.5 on q/k/v and gate/up inputs:
       ppl +1.8 %, top-1 93 %, 1.43-1.66x, 0.32x size  <- default
+
+    Weights of the dynamic MatMuls (issue 11): ORT's u8 x s8 kernels sum pairs of products in saturating 16-bit lanes
+    on x86 without VNNI/AMX (pipeline.ort.quantize.isa_accuracy_risk), so one full-range s8 engine measured ppl +0.98 %
+    on an AMX CPU and +5.9 % on an AVX2-only EPYC. Candidates, measured natively on x86_64-amx with the recipe's eval
+    (12 x 256 tokens vs FP32 torch) and the INT8/FP32 prefill ratio (CPU time of one thread, 4 x 256, shared machine):
+
+    - s8 full range                       ppl +0.98 %, top-1 92.7 %, 1.22x; saturates on AVX2 (+5.9 %)
+    - s8 reduce_range (7-bit, [-64, 64])  ppl +1.81 %, top-1 90.7 %, 1.50x; 2 x 255 x 64 < 2^15: exact on every
+      ISA, and it keeps the fast u8 x s8 kernels (VNNI, AMX, AVX2 vpmaddubsw)  <- default
+    - u8 symmetric (zero point 128)       ppl +1.13 %, top-1 92.3 %, 0.92x; exact everywhere, slower than FP32 here
+    - u8 asymmetric                       ppl +1.68 %, top-1 92.9 %, 1.06x
+    - blockwise everywhere                ppl -0.11 %, top-1 96.0 %, 0.88x
+
+    On an emulated AVX2 CPU (qemu-x86_64 -cpu Haswell, x86_64-avx2) the default measured ppl +3.21 %, top-1 88.1 % on
+    the eval's first 2 windows, against +3.78 %, 87.1 % on AMX for the same windows (README).
     """
     method: Literal["mixed", "dynamic", "blockwise"] = Field("mixed", description=(
         "dynamic: per-channel int8 weights, per-tensor int8 activations at run time (MatMulInteger); blockwise: "
@@ -64,7 +79,11 @@ class OrtInt8Options(OrtOptions):
                                             description="smooth only the inputs of these MatMuls (and their siblings)")
     embedding: Literal["int8", "fp32"] = Field("int8", description="the embedding Gather as int8 per row, or fp32")
     per_channel: bool = Field(True, description="dynamic: per-channel (else per-tensor) weight scales")
-    reduce_range: bool = Field(False, description="dynamic: 7-bit weights (for CPUs without VNNI)")
+    weight_type: Literal["int8", "uint8"] = Field("int8", description=(
+        "dynamic: s8 weights (MLAS u8 x s8 kernels) or u8 (u8 x u8 kernels: exact everywhere, slower)"))
+    reduce_range: bool = Field(True, description=(
+        "dynamic: 7-bit weights, exact on x86 CPUs without VNNI/AMX whose u8 x s8 kernels saturate 16-bit sums"))
+    weight_symmetric: bool = Field(True, description="dynamic: symmetric weights (zero point 0 for s8, 128 for u8)")
     block_size: BlockSize = Field(32, description="blockwise: block size (quantize.block_size sets it too)")
     symmetric: bool = Field(True, description="blockwise: symmetric 8-bit weights")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .env import atomic_write, cpu_model
+from .env import atomic_write, cpu_facts, cpu_model
 from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
@@ -24,7 +24,7 @@ from .status import Status, overall
 def machine() -> dict:
     """Where a report was made (the CPU as pipeline/env.py names it, like manifests and forge doctor)."""
     return {"platform": platform.platform(), "python": platform.python_version(), "processor": cpu_model(),
-            "arch": platform.machine()}
+            "arch": platform.machine(), **cpu_facts()}
 
 
 def overall_status(results: list[StageResult]) -> Status:

@@ -3,8 +3,8 @@
 Algorithms (``algo``):
 
 * ``int8``    -- 8-bit weights for every weight MatMul and the embedding; ``options["method"]`` picks
-  ``dynamic`` (per-channel int8 weights, per-tensor int8 activations computed at run time, which ORT's CPU kernels
-  run as DynamicQuantizeMatMul / MatMulInteger), ``blockwise`` (MatMulNBits 8-bit, block 32, accuracy_level 4:
+  ``dynamic`` (per-channel 8-bit weights, per-tensor uint8 activations computed at run time, which ORT's CPU kernels
+  run as DynamicQuantizeMatMul / MatMulInteger; weights 7-bit s8 by default, exact on every x86 ISA), ``blockwise`` (MatMulNBits 8-bit, block 32, accuracy_level 4:
   activations quantized per token and block at run time) or ``mixed`` (default: ``blockwise`` for the MatMuls
   matching ``options["blockwise"]`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
   after SmoothQuant (``smoothquant_alpha``, calibrated on ``calib_windows``) folded into the RMSNorm weights.
@@ -43,13 +43,16 @@ from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 # onnxruntime's quantizers log one INFO line per graph node (thousands); what ran is in our metrics instead
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 
-__all__ = ["quantize_onnx", "ALGOS", "activation_stats"]
+__all__ = ["quantize_onnx", "ALGOS", "activation_stats", "isa_accuracy_risk", "dynamic_int8_weights", "int8_dynamic",
+           "INT8_DEFAULTS"]
 
 ALGOS = ("none", "int8", "int4_wo")
-# the declared defaults of each algo's options (an option absent from ``options`` takes these)
+# the declared defaults of each algo's options (an option absent from ``options`` takes these); why they are what
+# they are, measured: pipeline/recipe_options.py
 INT8 = OrtInt8Options()
 INT4 = OrtInt4Options()
-INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only"})
+INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only", "weight_type",
+                                         "reduce_range", "per_channel", "weight_symmetric"})
 STATS_FILE = "quant_stats.json"
 
 
@@ -339,18 +342,26 @@ def _weight_stats(model, nodes: list[tuple[Any, str]]) -> dict[str, dict]:
     return out
 
 
-def _int8_dynamic(model, out_dir: Path, options: dict, excluded: list[str]) -> dict:
+def int8_dynamic(model, out_dir: Path, options: dict | None = None, excluded: list[str] | tuple = ()) -> dict:
+    """Dynamic INT8 for every weight MatMul of ``model`` not in ``excluded`` (ORT's ``quantize_dynamic``): weights
+    per output channel, activations quantized to uint8 per tensor at run time (DynamicQuantizeMatMul /
+    MatMulIntegerToFloat). ``options`` over ``INT8_DEFAULTS``: ``weight_type`` (uint8 | int8), ``reduce_range``,
+    ``per_channel``, ``weight_symmetric``. Writes ``out_dir/model.onnx``; returns what ran."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    opts = {**INT8_DEFAULTS, **(options or {})}
+    wtype, per_channel, sym = opts["weight_type"], bool(opts["per_channel"]), bool(opts["weight_symmetric"])
     with tempfile.TemporaryDirectory(prefix="forge-q-") as td:
         src = _save(model, Path(td))
-        quantize_dynamic(str(src), str(out_dir / MODEL_FILE), op_types_to_quantize=["MatMul"],
-                         per_channel=bool(options.get("per_channel", INT8.per_channel)),
-                         reduce_range=bool(options.get("reduce_range", INT8.reduce_range)),
-                         weight_type=QuantType.QInt8, nodes_to_exclude=excluded, use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True})
-    return {"method": "dynamic", "weights": "int8 per-channel symmetric" if options.get("per_channel", INT8.per_channel)
-            else "int8 per-tensor symmetric", "activations": "int8 per-tensor, computed at run time"}
+        quantize_dynamic(str(src), str(Path(out_dir) / MODEL_FILE), op_types_to_quantize=["MatMul"],
+                         per_channel=per_channel, reduce_range=bool(opts["reduce_range"]),
+                         weight_type=QuantType.QInt8 if wtype == "int8" else QuantType.QUInt8,
+                         nodes_to_exclude=list(excluded), use_external_data_format=True,
+                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": sym})
+    weights = _dynamic_weights(opts)
+    return {"method": "dynamic", "weights": f"{weights} {'per-channel' if per_channel else 'per-tensor'} "
+                                            f"{'symmetric' if sym else 'asymmetric'}",
+            "activations": "uint8 per-tensor, computed at run time", "dynamic_weights": weights}
 
 
 def _nbits(model, out_dir: Path, options: dict, excluded: list[str], *, bits: int, sym_default: bool) -> dict:
@@ -452,21 +463,23 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         if algo == "int8":
             method = options.get("method", INT8_DEFAULTS["method"])
             if method == "dynamic":
-                info = _int8_dynamic(model, out_dir, options, excluded)
+                info = int8_dynamic(model, out_dir, options, excluded)
             elif method == "mixed":
                 # dynamic per-tensor INT8 where activations are tame, blockwise (per-token) INT8 where calibration
                 # shows outlier channels (options.blockwise: fnmatch patterns of module names)
                 pats = list(options.get("blockwise", INT8_DEFAULTS["blockwise"]))
                 blockwise = [n.name for n, _ in nodes if n.name not in excluded and _matches(n, pats)]
-                info = _int8_dynamic(model, out_dir, options, excluded + blockwise)
+                info = int8_dynamic(model, out_dir, options, excluded + blockwise)
                 import onnx
 
                 dyn = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
                 info2 = _nbits(dyn, out_dir, {**options, "nodes_to_include": blockwise}, excluded, bits=8,
                                sym_default=True)
-                info = {"method": "mixed", "weights": "int8 (per-channel / per-32-block) symmetric",
-                        "activations": f"int8 per-tensor dynamic; {len(blockwise)} MatMuls ({pats}) "
-                                       f"{info2['activations']}", "blockwise_nodes": len(blockwise)}
+                info = {"method": "mixed", "weights": f"{info['weights']}; {len(blockwise)} MatMuls int8 per "
+                                                     f"32-block symmetric",
+                        "activations": f"{info['activations']}; {len(blockwise)} MatMuls ({pats}) "
+                                       f"{info2['activations']}", "blockwise_nodes": len(blockwise),
+                        "dynamic_weights": info["dynamic_weights"]}
             elif method == "blockwise":
                 info = _nbits(model, out_dir, options, excluded, bits=8, sym_default=True)
                 info["method"] = "blockwise"
@@ -485,3 +498,46 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             "excluded": len(info.get("excluded_nodes", [])), "quantize_s": round(time.time() - t0, 2),
             "model_bytes": model_bytes(out_dir), "fp32_model_bytes": model_bytes(fp32_dir),
             "size_ratio": model_bytes(out_dir) / model_bytes(fp32_dir)}
+
+
+# ---------------------------------------------------------------------------------------------- ISA dependence
+
+def dynamic_int8_weights(quantization: dict) -> str | None:
+    """How the dynamically quantized MatMuls of an engine hold their weights: ``int8`` (full-range s8: MLAS runs
+    them with its u8 x s8 kernels), ``int8-7bit`` (reduce_range), ``uint8``, or None when there are none.
+
+    ``quantization`` is an engine's recorded quantization (its metadata's ``quantization``) or a recipe's quantize
+    section (algo + options). Engines recorded before ``dynamic_weights`` existed were all full-range s8."""
+    if quantization.get("algo") != "int8":
+        return None
+    if "dynamic_weights" in quantization:
+        return quantization["dynamic_weights"]
+    if "quantized_matmuls" in quantization:   # an engine's record from before the field: forge made only s8
+        return "int8" if quantization.get("method") in ("dynamic", "mixed") else None
+    opts = {**INT8_DEFAULTS, **(quantization.get("options") or {})}
+    return _dynamic_weights(opts)
+
+
+def _dynamic_weights(opts: dict) -> str | None:
+    if opts.get("method") == "blockwise":
+        return None
+    if opts.get("weight_type", "int8") == "uint8":
+        return "uint8"
+    return "int8-7bit" if opts.get("reduce_range") else "int8"
+
+
+def isa_accuracy_risk(quantization: dict, isa_class: str) -> str | None:
+    """Why an engine quantized as ``quantization`` is known to lose accuracy on a CPU of ``isa_class``
+    (pipeline/env.py), or None when it is not known to.
+
+    MLAS runs u8 activations x s8 weights on AVX2 and AVX-512 without VNNI with vpmaddubsw, which sums pairs of
+    products in saturating 16-bit lanes: 2 x 255 x 127 overflows, so full-range int8 weights lose accuracy there
+    (microsoft/onnxruntime onnxruntime/core/mlas/lib/platform.cpp: MlasGemmU8S8KernelAvx2 / ...Avx512Core; the
+    session option ``session.x64quantprecision`` documents the same overflow). 7-bit weights (2 x 255 x 64) and u8
+    weights (MLAS's u8 x u8 kernels widen to 16 bits before multiplying) are exact on every class."""
+    from pipeline.env import U8S8_SATURATING
+
+    if isa_class in U8S8_SATURATING and dynamic_int8_weights(quantization) == "int8":
+        return (f"dynamic INT8 MatMuls with full-range s8 weights run on MLAS's u8 x s8 kernels, which on "
+                f"{isa_class} (no VNNI/AMX) sum pairs of products in saturating 16-bit lanes")
+    return None

@@ -19,7 +19,15 @@ def payload_bytes(path: Path) -> int:
 
 
 def cpu_hardware() -> str:
+    """Hardware of a CPU stage whose output is the same on every CPU of this architecture."""
     return f"cpu:{platform.machine()}"
+
+
+def cpu_isa_hardware() -> str:
+    """Hardware of a CPU stage whose output or measured numbers depend on the instruction set ONNX Runtime's
+    kernels use here (``cpu:x86_64-avx2``, ``cpu:x86_64-amx``, ...): results never cross ISA classes."""
+    from ..env import cpu_isa_class
+    return f"cpu:{cpu_isa_class()}"
 
 
 @dataclass

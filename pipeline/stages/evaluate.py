@@ -42,6 +42,10 @@ class EvaluateBase(Stage):
     def data(self, r, home):
         return set_digests(r, eval_sets(r) + [("prompts", "all")])
 
+    def measured_on(self) -> dict | None:
+        """Machine facts recorded with the metrics when they depend on this machine's CPU (None: they do not)."""
+        return None
+
     def candidate(self, ctx: StageContext):
         """An object with .logits(input_ids[B,T]) -> [B,T,V] and .generate(prompt_ids, n, greedy=True); a .close(),
         if it has one, is called once when the evaluation ends."""
@@ -95,5 +99,7 @@ class EvaluateBase(Stage):
             "ref_ppl", "ppl", "ppl_delta_pct", "top1_agreement", "logits_cosine", "logits_max_abs", "tokens")},
             "greedy_exact_match": gm["exact_match"], "greedy_prefix_ratio": gm["prefix_ratio"],
             "per_set": per_set}
+        if (machine := self.measured_on()) is not None:
+            metrics["measured_on"] = machine
         (ctx.out / "metrics.json").write_text(json.dumps(metrics, indent=2))
         return metrics

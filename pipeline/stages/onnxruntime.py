@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .base import Stage, StageContext, cpu_hardware, payload_bytes
+import json
+
+from .base import Stage, StageContext, cpu_hardware, cpu_isa_hardware, payload_bytes
 from .common import calibration_digests, calibration_windows, model_dir, tokenizer
 from .evaluate import EvaluateBase
 from .package import PackageStage
@@ -42,7 +44,7 @@ def ort_options(q) -> dict:
 class OrtQuantize(Stage):
     """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
-    version = "3"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha)
+    version = "4"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
 
@@ -60,6 +62,9 @@ class OrtQuantize(Stage):
         return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph
 
     def hardware(self, r):
+        # Portable across ISA classes: the quantized graph is a file for every CPU. Calibration runs ORT's FP32
+        # kernels, whose last bits differ between ISAs, but no quantization decision depends on them in a way
+        # that matters: each ISA class measures the engine itself in build/evaluate, which are keyed by it.
         return cpu_hardware()
 
     def plan_problems(self, r, info):
@@ -99,7 +104,8 @@ class OrtBuildStage(Stage):
         return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
 
     def hardware(self, r):
-        return cpu_hardware()   # optimised graphs may hold hardware-specific fusions
+        # ORT's optimiser consults the CPU's kernels (e.g. rewrites for machines whose u8s8 GEMM saturates)
+        return cpu_isa_hardware()
 
     def run(self, ctx: StageContext) -> dict:
         import numpy as np
@@ -115,9 +121,18 @@ class OrtBuildStage(Stage):
 class OrtEvaluate(EvaluateBase):
     """ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation."""
     name = "evaluate"
+    version = "2"   # 2: keyed by the CPU's ISA class, metrics record the CPU they were measured on
     needs = ("build", "source")
     tools = ("torch", "transformers", "onnxruntime")
     subject = "onnxruntime engine"
+
+    def hardware(self, r):
+        # ONNX Runtime's int8 kernels compute different numbers per ISA class (pipeline/env.py)
+        return cpu_isa_hardware()
+
+    def measured_on(self):
+        from ..env import cpu_facts
+        return cpu_facts()
 
     def candidate(self, ctx):
         from ..ort.engine import OrtEngine
@@ -126,7 +141,7 @@ class OrtEvaluate(EvaluateBase):
 
 class OrtPackage(PackageStage):
     """Triton model repository (ensemble text in / text out) + manifest.json."""
-    version = "3"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest)
+    version = "4"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on
     tools = ORT_TOOLS
 
     def write_repository(self, ctx, evaluation):
@@ -134,3 +149,8 @@ class OrtPackage(PackageStage):
         res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                      recipe=ctx.recipe.to_dict(), metrics=evaluation)
         return res, "cpu", {}
+
+    def manifest_extra(self, ctx):
+        # what verify-deploy needs to judge the engine on another CPU (pipeline.ort.quantize.isa_accuracy_risk)
+        from ..ort.export import META_FILE
+        return {"quantization": json.loads((ctx.inputs["build"] / META_FILE).read_text()).get("quantization")}

@@ -31,11 +31,16 @@ class PackageStage(Stage):
         """Fill ``ctx.out``; returns (metrics, manifest target: "cpu" or "sm90", build record for the manifest)."""
         raise NotImplementedError
 
+    def manifest_extra(self, ctx: StageContext) -> dict:
+        """Target-specific manifest keys (e.g. the ORT engine's quantization, for verify-deploy)."""
+        return {}
+
     def run(self, ctx: StageContext) -> dict:
         from ..triton.manifest import write_manifest
         evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
         metrics, target, build = self.write_repository(ctx, evaluation)
-        write_manifest(ctx.out, manifest_info(ctx, target=target, evaluation=evaluation, build=build))
+        write_manifest(ctx.out, manifest_info(ctx, target=target, evaluation=evaluation, build=build)
+                       | self.manifest_extra(ctx))
         return metrics or {}
 
 

@@ -5,6 +5,7 @@ calibration / eval digests, tool versions, target (``cpu`` or the GPU SM), build
 metrics, and a digest of every file in the repository. ``verify_deploy`` refuses a repository whose
 files were changed after packaging, or whose engine needs another TensorRT / TensorRT-LLM version
 or another GPU architecture than this machine has (engines are not portable across either).
+``deploy_warnings`` says when a CPU engine was validated on another ISA class than this CPU's.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import platform
 from pathlib import Path
 
-from pipeline.env import gpus, tool_label, tool_versions
+from pipeline.env import cpu_facts, cpu_isa_class, gpus, tool_label, tool_versions
 from pipeline.errors import ForgeError
 from pipeline.hashing import file_digest, sha256_json, tree_files
 
@@ -34,7 +35,8 @@ def current_env() -> dict:
     tools["forge"] = tools["forge"] or __version__
     found = gpus()
     return {"tools": tools, "gpus": found, "gpu_sms": sorted({g["sm"] for g in found}),
-            "python": platform.python_version(), "machine": platform.machine(), "system": platform.system()}
+            "python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
+            "cpu_isa_class": cpu_isa_class()}
 
 
 def repo_file_digests(repo_dir: Path, use_stat_cache: bool = True) -> dict[str, str]:
@@ -98,7 +100,10 @@ def write_manifest(repo_dir, info: dict) -> Path:
         raise ForgeError(f"manifest engine {engine!r} is not one of {sorted(ENGINE_BOUND)}")
     env = current_env()
     if engine == "onnxruntime":
-        hardware = {"kind": "cpu", "machine": env["machine"]}
+        # the CPU the engine's evaluation (and so its validation) was measured on; this machine's when not recorded
+        measured = (info.get("metrics") or {}).get("measured_on") or cpu_facts()
+        hardware = {"kind": "cpu", "machine": env["machine"], "validated_isa_class": measured["isa_class"],
+                    "validated_cpu_model": measured.get("cpu_model"), "validated_isa_flags": measured.get("isa_flags")}
     else:
         sm = _sm_from(info.get("target"), info.get("gpu_sm"))
         if sm is None:
@@ -143,6 +148,32 @@ def rebuild_hint(manifest: dict) -> str:
     """The command that packages the repository again (the recipe named in the manifest, where it says)."""
     name = _obj(manifest.get("recipe")).get("name") if isinstance(manifest, dict) else None
     return f"rebuild it with `forge build {name if isinstance(name, str) else 'RECIPE'} --force package`"
+def deploy_warnings(repo_dir, env: dict | None = None) -> list[str]:
+    """What deploying this repository here may change without making it unfit ([] = nothing known).
+
+    A CPU engine validated on another ISA class runs here, but ONNX Runtime's int8 kernels may compute other
+    numbers (pipeline/env.py); the warning says whether the engine's quantization is known to lose accuracy here.
+    """
+    m = read_manifest(repo_dir)
+    env = env or current_env()
+    hw = _obj(m.get("hardware"))
+    if m.get("engine") != "onnxruntime" or hw.get("kind") != "cpu":
+        return []
+    built, here = hw.get("validated_isa_class"), env.get("cpu_isa_class")
+    rname = _obj(m.get("recipe")).get("name", "RECIPE")
+    if not built:
+        return [f"manifest.json does not record the CPU ISA class the engine was validated on (packaged before forge "
+                f"recorded it); this CPU is {here}: run `forge build {rname}` here to validate it on this CPU"]
+    if built == here:
+        return []
+    from pipeline.ort.quantize import isa_accuracy_risk
+    quant = _obj(m.get("quantization")) or _obj(_obj(_obj(m.get("recipe")).get("resolved")).get("quantize"))
+    risk = isa_accuracy_risk(quant, here)
+    why = (f"its int8 method is known to lose accuracy here: {risk}" if risk else
+           "its int8 method is not known to lose accuracy here, but its numbers were not measured on this class")
+    return [f"the engine was validated on {built} ({hw.get('validated_cpu_model') or 'unknown CPU'}), this CPU is "
+            f"{here}: ONNX Runtime's int8 kernels differ between the two, {why}; run `forge build {rname}` here "
+            f"to evaluate and validate it on this CPU"]
 
 
 def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:

@@ -212,3 +212,39 @@ def test_thread_env_oversubscription():
     rep = run_doctor(FakeNVML([], fail_init=True), host=host, versions=VERSIONS)
     assert any("OMP_NUM_THREADS=16" in m for m in msgs(rep, "warning"))
     assert doctor.SEVERITIES == ("error", "warning", "info")
+
+
+# ------------------------------------------------------------------ CPU ISA class (issue 11)
+AVX2 = {"class": "x86_64-avx2", "flags": ["avx", "avx2", "fma"], "source": "cpuid"}
+
+
+def test_isa_class_reported_and_rendered(capsys):
+    from rich.console import Console
+    rep = run_doctor(FakeNVML([healthy()]), host=dict(HOST_1NODE, cpu_isa=AVX2), versions=VERSIONS, quantizations={})
+    assert rep["host"]["cpu_isa"]["class"] == "x86_64-avx2" and rep["findings"] == []
+    render_doctor(rep, Console(width=200))
+    assert "CPU ISA class: x86_64-avx2" in capsys.readouterr().out
+    from pipeline.env import cpu_isa
+    assert doctor.collect_host()["cpu_isa"] == cpu_isa()
+
+
+def test_int8_method_known_to_lose_accuracy_on_this_isa_is_a_warning():
+    quants = {"recipe old-int8": {"algo": "int8", "options": {"reduce_range": False}},      # full-range s8
+              "recipe default-int8": {"algo": "int8", "options": {}},                       # forge's default
+              "recipe int4": {"algo": "int4_wo", "options": {}},
+              "engine out/x/engine": {"algo": "int8", "method": "mixed", "quantized_matmuls": 211}}  # pre-issue-11 engine
+    rep = run_doctor(FakeNVML([healthy()]), host=dict(HOST_1NODE, cpu_isa=AVX2), versions=VERSIONS, quantizations=quants)
+    w = msgs(rep, "warning")
+    assert len(w) == 2, w
+    assert any(m.startswith("recipe old-int8: its INT8 method is known to lose accuracy on this CPU (x86_64-avx2)")
+               for m in w)
+    assert any(m.startswith("engine out/x/engine:") for m in w)
+    vnni = dict(AVX2, **{"class": "x86_64-avx512vnni"})
+    assert run_doctor(FakeNVML([healthy()]), host=dict(HOST_1NODE, cpu_isa=vnni), versions=VERSIONS,
+                      quantizations=quants)["findings"] == []
+
+
+def test_isa_read_from_proc_cpuinfo_is_flagged():
+    host = dict(HOST_1NODE, cpu_isa=dict(AVX2, source="/proc/cpuinfo"))
+    w = msgs(run_doctor(FakeNVML([healthy()]), host=host, versions=VERSIONS, quantizations={}), "warning")
+    assert len(w) == 1 and "cpuid-native" in w[0]

@@ -90,3 +90,57 @@ def test_gpu_target_needs_sm(packaged):
 def test_missing_manifest(tmp_path):
     with pytest.raises(ForgeError, match=r"`forge build RECIPE`"):
         verify_deploy(tmp_path)
+
+
+# ------------------------------------------------------------------ the CPU ISA class the engine was validated on
+AVX2_EVAL = {"ppl_delta_pct": 1.0, "measured_on": {"cpu_model": "AMD EPYC 7B13", "isa_class": "x86_64-avx2",
+                                                   "isa_flags": ["avx", "avx2", "fma"], "isa_source": "cpuid"}}
+S8_DYNAMIC = {"algo": "int8", "method": "mixed", "dynamic_weights": "int8", "quantized_matmuls": 211}
+U8_DYNAMIC = dict(S8_DYNAMIC, dynamic_weights="uint8")
+
+
+def _isa_env(cls):
+    env = current_env()
+    env["cpu_isa_class"] = cls
+    return env
+
+
+def test_manifest_records_validated_isa(tiny_repo, tmp_path):
+    r = tmp_path / "repo"
+    shutil.copytree(tiny_repo[0], r)
+    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
+    hw = read_manifest(r)["hardware"]
+    assert hw["validated_isa_class"] == "x86_64-avx2" and hw["validated_cpu_model"] == "AMD EPYC 7B13"
+    assert hw["validated_isa_flags"] == ["avx", "avx2", "fma"]
+    assert current_env()["cpu_isa_class"]
+
+
+def test_verify_deploy_warns_on_another_isa_class(tiny_repo, tmp_path):
+    from pipeline.triton.manifest import deploy_warnings
+    r = tmp_path / "repo"
+    shutil.copytree(tiny_repo[0], r)
+    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
+    assert deploy_warnings(r, _isa_env("x86_64-avx2")) == []
+    w = deploy_warnings(r, _isa_env("x86_64-amx"))
+    assert len(w) == 1 and "validated on x86_64-avx2" in w[0] and "this CPU is x86_64-amx" in w[0]
+    assert "not known to lose accuracy" in w[0] and "forge build tiny" in w[0]
+    assert verify_deploy(r, _isa_env("x86_64-amx")) == []          # a warning, not a refusal
+    # an engine with full-range s8 dynamic MatMuls, validated on AMX, deployed to an AVX2 CPU: the reason is named
+    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "quantization": S8_DYNAMIC,
+                       "metrics": {"measured_on": dict(AVX2_EVAL["measured_on"], isa_class="x86_64-amx")}})
+    w = deploy_warnings(r, _isa_env("x86_64-avx2"))
+    assert len(w) == 1 and "known to lose accuracy here" in w[0] and "saturating 16-bit" in w[0]
+
+
+def test_verify_deploy_cli_prints_the_isa_warning_and_passes(tiny_repo, tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+    r = tmp_path / "repo"
+    shutil.copytree(tiny_repo[0], r)
+    other = "x86_64-avx2" if current_env()["cpu_isa_class"] != "x86_64-avx2" else "x86_64-amx"
+    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "quantization": U8_DYNAMIC,
+                       "metrics": {"measured_on": dict(AVX2_EVAL["measured_on"], isa_class=other)}})
+    res = CliRunner().invoke(app, ["verify-deploy", str(r)])
+    assert res.exit_code == 0, res.output
+    assert f"validated on {other}" in res.output and "warning" in res.output

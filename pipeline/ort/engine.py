@@ -123,6 +123,17 @@ class KVCache:
         self.values = [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device, 0)
                        for _ in engine.past_names]
         self.mask = np.zeros((batch, 0), np.int64) if self.layout == "concat" else None
+        self._io = None
+
+    def binding(self, engine: "OrtEngine") -> ort.IOBinding:
+        """The IO binding of this cache (shared layout), made once: past and present of each layer bound to the
+        same buffer, which GroupQueryAttention updates in place."""
+        if self._io is None:
+            self._io = engine.session.io_binding()
+            for name, pname, v in zip(engine.past_names, engine.present_names, self.values):
+                self._io.bind_ortvalue_input(name, v)
+                self._io.bind_ortvalue_output(pname, v)
+        return self._io
 
     def reset(self) -> None:
         self.lengths[:] = 0
@@ -191,19 +202,23 @@ class OrtEngine:
             ids = np.zeros((batch, 1), np.int64)
             mask = np.zeros(batch * max(capacity, 1), np.int64)
             pos = np.zeros((batch, 1), np.int64)
-            logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, 1, self.vocab_size], self.logits_dtype, "cpu", 0)
+            # the OrtValue aliases the numpy array: ORT writes the logits where Python reads them, no copy
+            logits_np = np.zeros((batch, 1, self.vocab_size), self.logits_dtype)
+            logits = (ort.OrtValue.ortvalue_from_numpy(logits_np), logits_np)
             buf = self._steps[batch] = (ids, mask, pos, logits)
         return buf
 
     # ---- one graph call -----------------------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, lengths: np.ndarray, cache: KVCache,
-                logits_out: ort.OrtValue | None = None, mask_buf: np.ndarray | None = None) -> np.ndarray:
+                logits_out: tuple[ort.OrtValue, np.ndarray] | None = None,
+                mask_buf: np.ndarray | None = None) -> np.ndarray:
         """Run ``ids`` [B, T] (row b's first ``lengths[b]`` tokens are real, the rest right padding) on top of
-        ``cache`` and advance it. Returns logits [B, T, V] (a view of ``logits_out`` when given)."""
+        ``cache`` and advance it. Returns logits [B, T, V]: with ``logits_out`` (an OrtValue and the numpy array
+        it aliases) ORT writes into that array and it is returned."""
         B, T = ids.shape
-        io = self.session.io_binding()
         new_len = cache.lengths + lengths
         if cache.layout == "shared":
+            io = cache.binding(self)   # KV buffers stay bound across steps: only ids, mask and logits are rebound
             # a prefill is as wide as its ids (GroupQueryAttention's first-prompt case: T == total); each later
             # call adds T columns, so row b's mask is len_b + t ones, then zeros
             width = T if cache.width == 0 else cache.width + T
@@ -213,11 +228,9 @@ class OrtEngine:
             mask = flat[:B * width].reshape(B, width)
             np.less(np.arange(width)[None, :], new_len[:, None], out=mask, casting="unsafe")
             io.bind_cpu_input("attention_mask", mask)
-            for name, pname, v in zip(self.past_names, self.present_names, cache.values):
-                io.bind_ortvalue_input(name, v)
-                io.bind_ortvalue_output(pname, v)   # same buffer: GroupQueryAttention writes in place
             cache.width = width
         else:
+            io = self.session.io_binding()
             valid = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
             mask = np.concatenate([cache.mask, valid], 1)
             pos = cache.lengths[:, None] + np.arange(T)[None, :]
@@ -230,7 +243,7 @@ class OrtEngine:
             cache.mask, cache.width = mask, mask.shape[1]
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
         if logits_out is not None:
-            io.bind_ortvalue_output("logits", logits_out)
+            io.bind_ortvalue_output("logits", logits_out[0])
         else:
             io.bind_output("logits", "cpu")
         self.session.run_with_iobinding(io)
@@ -239,7 +252,7 @@ class OrtEngine:
             cache.values = outs[:-1]
         logits = outs[-1]
         cache.lengths[:] = new_len
-        return logits_out.numpy() if logits_out is not None else logits.numpy()
+        return logits_out[1] if logits_out is not None else logits.numpy()
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def logits(self, input_ids: Any, attention_mask: Any | None = None, *, batch_size: int = 0,

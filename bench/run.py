@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.peers:
         from bench.peers import peer_plan
 
-        for spec in peer_plan(Path(hf_dir) if hf_dir else None, a.out / "peers", threads):
+        for spec in peer_plan(Path(hf_dir) if hf_dir else None, a.out / "peers", threads, ours=engines):
             if "skipped" in spec:
                 print(f"[bench] peer {spec['name']} skipped: {spec['skipped']}", file=sys.stderr)
                 results["peers"][spec["name"]] = {"skipped": spec["skipped"]}

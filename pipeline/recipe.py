@@ -73,6 +73,11 @@ class Tolerance(Section):
 
 class ExportSection(Section):
     opset: int = Field(18, ge=14, le=23)
+    attention: Literal["auto", "gqa", "standard"] = Field(
+        "auto", description="gqa: ONNX Runtime GroupQueryAttention with an in-place KV cache (onnxruntime target); "
+                            "standard: plain ONNX attention (what TensorRT reads); auto picks by build.target")
+    max_seq_len: int = Field(4096, ge=16, le=131072,
+                             description="positions the exported graph serves (prompt + generated tokens)")
     parity: dict[Literal["fp32", "fp16", "bf16"], Tolerance] = Field(
         default_factory=lambda: {"fp32": Tolerance(atol=1e-3, rtol=1e-3)})
 
@@ -684,6 +689,9 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
         if getattr(t, key) is not None and target not in targets:
             p.append(f"{source}: validate.thresholds.{key} gates a metric only build.target "
                      f"{' / '.join(sorted(targets))} produces; remove it for '{target}'")
+    if target == "tensorrt" and recipe.export.attention == "gqa":
+        p.append(f"{source}: export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
+                 "use export.attention: standard (or auto) for build.target 'tensorrt'")
     p += data_set_problems(recipe, source)
     return p
 
@@ -708,3 +716,11 @@ def data_set_problems(recipe: Recipe, source: str) -> list[str]:
         except ForgeError as e:
             out.append(f"{source}: {key}: {e}")
     return out
+
+
+def export_attention(recipe: Recipe) -> str:
+    """export.attention with ``auto`` resolved: gqa for onnxruntime, standard for tensorrt."""
+    a = recipe.export.attention
+    if a != "auto":
+        return a
+    return "standard" if recipe.build.target == "tensorrt" else "gqa"

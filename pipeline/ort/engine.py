@@ -1,12 +1,28 @@
-"""ONNX Runtime engine for forge's KV-cache causal-LM graphs (prefill + decode in one graph).
+"""ONNX Runtime generation runtime for forge's KV-cache causal-LM graphs (prefill + decode in one graph).
 
 Dependency-light on purpose (numpy + onnxruntime; ``tokenizers`` only for text helpers) so this file can be
 copied as-is into a Triton python-backend model. It imports nothing from ``pipeline`` except, when present, the
-progress bar.
+progress bar. ``evaluate`` (perplexity, greedy generation), ``forge serve`` (the Triton python model) and
+``make bench`` all run this class, so what is validated is what is served and what is measured.
 
-Graph contract (written by pipeline.ort.export): inputs ``input_ids``, ``attention_mask`` [B, past+T],
-``position_ids``, ``past_key_values.{i}.key/value`` [B, kv, past, hd]; outputs ``logits`` and
-``present.{i}.key/value``.
+Two graph layouts (``forge_ort.json`` ``kv_layout``, written by pipeline.ort.export):
+
+``shared`` (default export; ONNX Runtime GenAI's contract): ``com.microsoft.GroupQueryAttention`` with rotary
+    inside the op. Inputs ``input_ids`` [B, T], ``attention_mask`` [B, total] (only its row sums and width are
+    read: the op gets ``seqlens_k = rowsum - 1`` and ``total_sequence_length = width``),
+    ``past_key_values.{i}.key/value`` [B, kv, capacity, hd]; outputs ``logits`` and ``present.{i}.key/value``
+    of the same shape as the past. The runtime binds past and present to ONE preallocated buffer per layer
+    (``capacity`` = prompt + new tokens), so the op writes each step's K/V in place: no concatenation and no
+    copy. Prompts of different lengths are right-padded: row b's K/V sit at positions [0, len_b) and every
+    decode step writes row b's token at position len_b + t (the op reads ``seqlens_k`` per row).
+``concat`` (``export.attention: standard``, the plain-ONNX graph TensorRT also reads): inputs ``attention_mask``
+    [B, past + T] and ``position_ids``; presents are past + T long. The runtime rebinds each step's present
+    OrtValues as the next step's past (still no numpy copies); padded slots stay masked.
+
+Both layouts are driven through IO binding. The decode loop writes the next token ids and the mask into
+preallocated numpy buffers and reads the logits from a preallocated [B, 1, V] OrtValue. ``device`` picks where
+the KV buffers live (an OrtValue device: ``cpu``, or ``cuda`` with ``providers=["CUDAExecutionProvider"]``):
+the GPU path keeps the cache on the GPU with the same code.
 """
 
 from __future__ import annotations
@@ -26,9 +42,11 @@ try:  # progress bars inside forge; a no-op when this file runs on its own (Trit
 except Exception:  # pragma: no cover - exercised only outside the package
     _progress_bar = None
 
-__all__ = ["OrtEngine", "session_options", "sample_next"]
+__all__ = ["OrtEngine", "KVCache", "session_options", "sample_next", "LAYOUTS"]
 
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(bfloat16)": np.float32}
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+LAYOUTS = ("shared", "concat")
+CAPACITY_STEP = 64  # KV buffers grow in steps of this many positions (fewer re-allocations across requests)
 
 
 @contextlib.contextmanager
@@ -82,109 +100,252 @@ def sample_next(logits: np.ndarray, rng: np.random.Generator, *, greedy: bool = 
     return np.array([rng.choice(p.shape[-1], p=row) for row in p], dtype=np.int64)
 
 
+def _per_row(value: Any, batch: int, name: str) -> list:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != batch:
+            raise ValueError(f"{name} has {len(value)} entries for {batch} prompts")
+        return list(value)
+    return [value] * batch
+
+
+class KVCache:
+    """The KV state of one batch: one OrtValue per layer and K/V, on ``device``, plus each row's length.
+
+    ``shared`` layout: [B, kv, capacity, hd] buffers, allocated once and written in place by the graph.
+    ``concat`` layout: the last presents (ORT-allocated, [B, kv, past, hd]); ``mask`` holds the attention mask
+    of every position so far (0 where a right-padded prompt left a hole)."""
+
+    def __init__(self, engine: "OrtEngine", batch: int, capacity: int):
+        self.batch, self.capacity, self.layout = batch, capacity, engine.layout
+        self.lengths = np.zeros(batch, np.int64)   # tokens stored per row
+        self.width = 0                              # positions used (= attention-mask width)
+        shape = [batch, engine.num_kv_heads, capacity if self.layout == "shared" else 0, engine.head_dim]
+        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device, 0)
+                       for _ in engine.past_names]
+        self.mask = np.zeros((batch, 0), np.int64) if self.layout == "concat" else None
+        self._io = None
+
+    def binding(self, engine: "OrtEngine") -> ort.IOBinding:
+        """The IO binding of this cache (shared layout), made once: past and present of each layer bound to the
+        same buffer, which GroupQueryAttention updates in place."""
+        if self._io is None:
+            self._io = engine.session.io_binding()
+            for name, pname, v in zip(engine.past_names, engine.present_names, self.values):
+                self._io.bind_ortvalue_input(name, v)
+                self._io.bind_ortvalue_output(pname, v)
+        return self._io
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+        self.width = 0
+
+
 class OrtEngine:
-    """ONNX Runtime session over a forge ONNX model dir (``model.onnx`` + external data + tokenizer files)."""
+    """Generation runtime over a forge ONNX model dir (``model.onnx`` + external data + tokenizer files)."""
 
     def __init__(self, model_dir: str | os.PathLike, threads: int = 0, *, providers: Sequence[str] | None = None,
-                 model_file: str | None = None, level: str = "all"):
+                 device: str = "cpu", model_file: str | None = None, level: str = "all"):
         self.model_dir = Path(model_dir)
         meta_f = self.model_dir / "forge_ort.json"
         self.meta: dict[str, Any] = json.loads(meta_f.read_text()) if meta_f.exists() else {}
         self.model_path = self.model_dir / (model_file or self.meta.get("model_file") or "model.onnx")
         if not self.model_path.exists():
             raise FileNotFoundError(f"no ONNX model at {self.model_path}")
-        self.threads = threads
+        self.threads, self.device = threads, device
         self.options = session_options(threads, level)
         self.session = ort.InferenceSession(str(self.model_path), self.options,
                                             providers=list(providers or ["CPUExecutionProvider"]))
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))
-        if not layers or "input_ids" not in ins:
+        if not layers or "input_ids" not in ins or "attention_mask" not in ins:
             raise ValueError(f"{self.model_path} is not a forge KV-cache graph (inputs: {sorted(ins)})")
+        self.layout = "concat" if "position_ids" in ins else "shared"
         self.num_layers = len(layers)
         k0 = ins["past_key_values.0.key"]
         self.num_kv_heads, self.head_dim = int(k0.shape[1]), int(k0.shape[3])
         self.kv_dtype = _ORT_TYPES.get(k0.type, np.float32)
         self.past_names = [f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
         self.present_names = [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-        self.output_names = ["logits"] + self.present_names
-        self.vocab_size = int(self.session.get_outputs()[0].shape[-1]) if isinstance(
-            self.session.get_outputs()[0].shape[-1], int) else self.meta.get("vocab_size")
+        out0 = self.session.get_outputs()[0]
+        self.vocab_size = int(out0.shape[-1]) if isinstance(out0.shape[-1], int) else int(self.meta["vocab_size"])
+        self.logits_dtype = _ORT_TYPES.get(out0.type, np.float32)
+        # positions the graph can address (the rotary tables of a shared-layout graph end there)
+        self.max_seq_len = int(self.meta.get("max_seq_len") or 0) or None
         self.eos_token_id = self.meta.get("eos_token_id")
         self._tokenizer = None
+        self._caches: dict[int, KVCache] = {}
+        self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
 
-    # ---- low level -------------------------------------------------------------------------------------------
-    def empty_past(self, batch: int) -> list[np.ndarray]:
-        z = np.zeros((batch, self.num_kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
-        return [z] * (2 * self.num_layers)
+    # ---- state ------------------------------------------------------------------------------------------------
+    def cache(self, batch: int, capacity: int) -> KVCache:
+        """An empty KV cache for ``batch`` rows of up to ``capacity`` positions, reused across calls: buffers are
+        allocated only when a batch size is new or needs more positions than any call before."""
+        if self.max_seq_len and capacity > self.max_seq_len:
+            raise ValueError(f"{capacity} positions exceed the engine's max_seq_len {self.max_seq_len} "
+                             "(prompt + new tokens; export.max_seq_len sets it)")
+        c = self._caches.get(batch)
+        if c is None or c.capacity < capacity or c.layout == "concat":
+            cap = -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+            if self.max_seq_len:
+                cap = min(cap, self.max_seq_len)
+            c = KVCache(self, batch, cap)
+            if self.layout == "shared":
+                self._caches[batch] = c
+        c.reset()
+        return c
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            past: Sequence[np.ndarray]) -> dict[str, Any]:
-        """One graph call. Returns ``{"logits": [B,T,V], "past": [present tensors]}``."""
-        feed = {"input_ids": np.ascontiguousarray(input_ids, dtype=np.int64),
-                "attention_mask": np.ascontiguousarray(attention_mask, dtype=np.int64),
-                "position_ids": np.ascontiguousarray(position_ids, dtype=np.int64)}
-        feed.update(zip(self.past_names, past))
-        outs = self.session.run(self.output_names, feed)
-        return {"logits": outs[0], "past": outs[1:]}
+    def _step_buffers(self, batch: int, capacity: int):
+        """Preallocated decode-step buffers: ids [B,1], mask (flat, viewed as [B, width]), position ids, logits."""
+        buf = self._steps.get(batch)
+        if buf is None or buf[1].size < batch * capacity:
+            ids = np.zeros((batch, 1), np.int64)
+            mask = np.zeros(batch * max(capacity, 1), np.int64)
+            pos = np.zeros((batch, 1), np.int64)
+            # the OrtValue aliases the numpy array: ORT writes the logits where Python reads them, no copy
+            logits_np = np.zeros((batch, 1, self.vocab_size), self.logits_dtype)
+            logits = (ort.OrtValue.ortvalue_from_numpy(logits_np), logits_np)
+            buf = self._steps[batch] = (ids, mask, pos, logits)
+        return buf
+
+    # ---- one graph call -----------------------------------------------------------------------------------------
+    def forward(self, ids: np.ndarray, lengths: np.ndarray, cache: KVCache,
+                logits_out: tuple[ort.OrtValue, np.ndarray] | None = None,
+                mask_buf: np.ndarray | None = None) -> np.ndarray:
+        """Run ``ids`` [B, T] (row b's first ``lengths[b]`` tokens are real, the rest right padding) on top of
+        ``cache`` and advance it. Returns logits [B, T, V]: with ``logits_out`` (an OrtValue and the numpy array
+        it aliases) ORT writes into that array and it is returned."""
+        B, T = ids.shape
+        new_len = cache.lengths + lengths
+        if cache.layout == "shared":
+            io = cache.binding(self)   # KV buffers stay bound across steps: only ids, mask and logits are rebound
+            # a prefill is as wide as its ids (GroupQueryAttention's first-prompt case: T == total); each later
+            # call adds T columns, so row b's mask is len_b + t ones, then zeros
+            width = T if cache.width == 0 else cache.width + T
+            if width > cache.capacity:
+                raise ValueError(f"KV cache of {cache.capacity} positions is full")
+            flat = mask_buf if mask_buf is not None and mask_buf.size >= B * width else np.empty(B * width, np.int64)
+            mask = flat[:B * width].reshape(B, width)
+            np.less(np.arange(width)[None, :], new_len[:, None], out=mask, casting="unsafe")
+            io.bind_cpu_input("attention_mask", mask)
+            cache.width = width
+        else:
+            io = self.session.io_binding()
+            valid = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
+            mask = np.concatenate([cache.mask, valid], 1)
+            pos = cache.lengths[:, None] + np.arange(T)[None, :]
+            io.bind_cpu_input("attention_mask", mask)
+            io.bind_cpu_input("position_ids", np.ascontiguousarray(pos, dtype=np.int64))
+            for name, v in zip(self.past_names, cache.values):
+                io.bind_ortvalue_input(name, v)
+            for pname in self.present_names:
+                io.bind_output(pname, self.device)
+            cache.mask, cache.width = mask, mask.shape[1]
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
+        if logits_out is not None:
+            io.bind_ortvalue_output("logits", logits_out[0])
+        else:
+            io.bind_output("logits", "cpu")
+        self.session.run_with_iobinding(io)
+        outs = io.get_outputs()   # in bind order: presents, then logits
+        if cache.layout == "concat":
+            cache.values = outs[:-1]
+        logits = outs[-1]
+        cache.lengths[:] = new_len
+        return logits_out[1] if logits_out is not None else logits.numpy()
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def logits(self, input_ids: Any, attention_mask: Any | None = None, *, batch_size: int = 0,
                desc: str = "ORT logits") -> np.ndarray:
-        """Full-sequence logits [B, T, V] (prefill with an empty cache), ``batch_size`` rows per call (0 = all)."""
+        """Full-sequence logits [B, T, V] (a prefill on an empty cache), ``batch_size`` rows per call (0 = all).
+        ``attention_mask`` (1 = token, 0 = padding) must be right padding: each row's tokens first."""
         ids = np.asarray(input_ids.numpy() if hasattr(input_ids, "numpy") else input_ids, dtype=np.int64)
         if ids.ndim == 1:
             ids = ids[None]
-        mask = np.ones_like(ids) if attention_mask is None else np.asarray(
-            attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask, dtype=np.int64)
+        if attention_mask is None:
+            lengths = np.full(ids.shape[0], ids.shape[1], np.int64)
+        else:
+            m = np.asarray(attention_mask.numpy() if hasattr(attention_mask, "numpy") else attention_mask)
+            lengths = m.astype(bool).sum(1).astype(np.int64)
+            if not np.array_equal(m.astype(bool), np.arange(ids.shape[1])[None, :] < lengths[:, None]):
+                raise ValueError("attention_mask must be right padding (each row's tokens first, then zeros)")
         bs = batch_size or ids.shape[0]
         out = []
         with _bar(desc, ids.shape[0]) as advance:
             for s in range(0, ids.shape[0], bs):
-                i, m = ids[s:s + bs], mask[s:s + bs]
-                pos = np.clip(np.cumsum(m, axis=1) - 1, 0, None)
-                out.append(self.run(i, m, pos, self.empty_past(i.shape[0]))["logits"])
+                i, n = ids[s:s + bs], lengths[s:s + bs]
+                out.append(self.forward(i, n, self.cache(i.shape[0], i.shape[1])))
                 advance(i.shape[0])
-        return np.concatenate(out, 0)
+        return np.concatenate(out, 0) if len(out) > 1 else out[0]
+
+    def prefill_feed(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """A plain ``session.run`` feed for a prefill of ``ids`` [B, T] (no padding) on an empty cache, for
+        callers that add graph outputs (calibration statistics)."""
+        B, T = ids.shape
+        feed = {"input_ids": np.ascontiguousarray(ids, dtype=np.int64), "attention_mask": np.ones((B, T), np.int64)}
+        if self.layout == "concat":
+            feed["position_ids"] = np.broadcast_to(np.arange(T), (B, T)).astype(np.int64)
+        past = np.zeros((B, self.num_kv_heads, T if self.layout == "shared" else 0, self.head_dim), self.kv_dtype)
+        feed.update({n: past for n in self.past_names})
+        return feed
 
     # ---- generation ------------------------------------------------------------------------------------------
-    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, greedy: bool = True,
-                       temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                       eos_token_id: int | None = None) -> list[list[int]]:
-        """Generate for several prompts at once (left padding); returns the new tokens of each prompt, cut after
-        its EOS. Prefill once, then one token per step through the KV cache."""
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int], *,
+                       greedy: bool | Sequence[bool] = True, temperature: float | Sequence[float] = 1.0,
+                       top_k: int | Sequence[int] = 0, top_p: float | Sequence[float] = 1.0,
+                       seed: int | Sequence[int] = 0,
+                       eos_token_id: int | None | Sequence[int | None] = None) -> list[list[int]]:
+        """Generate for prompts of different lengths at once; returns the new tokens of each prompt, cut after its
+        EOS or its own ``max_new_tokens``. Every sampling argument may be one value or one per prompt (the Triton
+        model batches requests with their own settings). Prefill once (right padding), then one token per step
+        for all rows through the in-place KV cache."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
-        B, L = len(prompts), max(len(p) for p in prompts)
+        B = len(prompts)
+        n_new = [int(n) for n in _per_row(max_new_tokens, B, "max_new_tokens")]
+        if any(n < 1 for n in n_new):
+            raise ValueError("max_new_tokens must be >= 1")
+        greedy_r = _per_row(greedy, B, "greedy")
+        temp_r, topk_r = _per_row(temperature, B, "temperature"), _per_row(top_k, B, "top_k")
+        topp_r, eos_r = _per_row(top_p, B, "top_p"), _per_row(eos_token_id, B, "eos_token_id")
+        rngs = [np.random.default_rng(int(s)) for s in _per_row(seed, B, "seed")]
+        all_greedy = all(bool(g) or float(t) <= 0 for g, t in zip(greedy_r, temp_r))
+        lens = np.array([len(p) for p in prompts], np.int64)
+        L, N = int(lens.max()), max(n_new)
         ids = np.zeros((B, L), np.int64)
-        mask = np.zeros((B, L), np.int64)
         for r, p in enumerate(prompts):
-            ids[r, L - len(p):] = p
-            mask[r, L - len(p):] = 1
-        pos = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-        rng = np.random.default_rng(seed)
+            ids[r, :len(p)] = p
+        cache = self.cache(B, int(lens.max()) + N if self.layout == "concat" else L + N)
+        step_ids, mask_buf, _pos, logits_v = self._step_buffers(B, cache.capacity)
         out: list[list[int]] = [[] for _ in range(B)]
         done = np.zeros(B, bool)
-        past = self.empty_past(B)
-        step_ids, step_pos = ids, pos
-        with _bar("ORT generate", max_new_tokens) as advance:
-            for _ in range(max_new_tokens):
-                res = self.run(step_ids, mask, step_pos, past)
-                past = res["past"]
-                nxt = sample_next(res["logits"][:, -1], rng, greedy=greedy, temperature=temperature,
-                                  top_k=top_k, top_p=top_p)
+        ones = np.ones(B, np.int64)
+
+        def pick(last: np.ndarray) -> np.ndarray:
+            if all_greedy:
+                return last.argmax(-1)
+            nxt = np.empty(B, np.int64)
+            for r in range(B):
+                nxt[r] = sample_next(last[r:r + 1], rngs[r], greedy=bool(greedy_r[r]), temperature=float(temp_r[r]),
+                                     top_k=int(topk_r[r]), top_p=float(topp_r[r]))[0]
+            return nxt
+
+        with _bar("ORT generate", N) as advance:
+            logits = self.forward(ids, lens, cache)
+            last = logits[np.arange(B), lens - 1]
+            for step in range(N):
+                nxt = pick(last)
                 for r in range(B):
                     if not done[r]:
-                        out[r].append(int(nxt[r]))
-                        if eos_token_id is not None and int(nxt[r]) == eos_token_id:
+                        t = int(nxt[r])
+                        out[r].append(t)
+                        if (eos_r[r] is not None and t == eos_r[r]) or len(out[r]) >= n_new[r]:
                             done[r] = True
                 advance(1)
                 if done.all():
                     break
-                step_ids = nxt.reshape(B, 1).astype(np.int64)
-                step_pos = step_pos[:, -1:] + 1
-                mask = np.concatenate([mask, np.ones((B, 1), np.int64)], 1)
+                step_ids[:, 0] = nxt
+                last = self.forward(step_ids, ones, cache, logits_out=logits_v, mask_buf=mask_buf)[:, -1]
         return out
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = True,

@@ -305,11 +305,7 @@ def activation_stats(model_dir: Path, windows, *, tensors: list[str], threads: i
         with progress_bar("calibration (activation ranges)", ids.shape[0]) as advance:
             for s in range(0, ids.shape[0], batch_size):
                 w = ids[s:s + batch_size]
-                m = np.ones_like(w)
-                feed = {"input_ids": w, "attention_mask": m,
-                        "position_ids": np.broadcast_to(np.arange(w.shape[1]), w.shape).astype(np.int64)}
-                feed.update(zip(eng.past_names, eng.empty_past(w.shape[0])))
-                outs = eng.session.run(names, feed)
+                outs = eng.session.run(names, eng.prefill_feed(w))   # the graph's own layout (gqa or standard)
                 for k, (t, *_rest) in enumerate(extra):
                     mx, mn, ch = outs[3 * k: 3 * k + 3]
                     st = stats[t]

@@ -15,19 +15,22 @@ ORT_TOOLS = ("onnx", "onnxruntime")
 class OrtExport(Stage):
     """HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity."""
     name = "export"
-    version = "1"
+    version = "2"   # 2: GroupQueryAttention graph with an in-place KV cache (export.attention), parity via the runtime
     needs = ("source",)
     tools = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
-    section = "export"
+    def config(self, r):
+        from ..recipe import export_attention
+        return {**r.export.model_dump(), "attention": export_attention(r)}
 
     def output_bytes(self, r, info, inputs):
         return int(info.num_params * 4 * 1.05) if info else None    # fp32 external data + graph
 
     def run(self, ctx: StageContext) -> dict:
         from ..ort.export import export_onnx
+        from ..recipe import export_attention
         e = ctx.recipe.export
-        return export_onnx(model_dir(ctx), ctx.out, opset=e.opset,
-                           parity={k: v.model_dump() for k, v in e.parity.items()})
+        return export_onnx(model_dir(ctx), ctx.out, opset=e.opset, attention=export_attention(ctx.recipe),
+                           max_seq=e.max_seq_len, parity={k: v.model_dump() for k, v in e.parity.items()})
 
 
 def ort_options(q) -> dict:

@@ -191,9 +191,13 @@ def test_peers_skip_cleanly_when_packages_are_missing(tmp_path, monkeypatch):
     from bench import peers
 
     monkeypatch.setattr(peers, "_version", lambda dist: None)
-    plan = peers.peer_plan(tmp_path, tmp_path / "w", 2)
-    assert [p["name"] for p in plan] == ["llama.cpp Q4_1", "llama.cpp Q8_0", "ORT GenAI INT4"]
+    plan = peers.peer_plan(tmp_path, tmp_path / "w", 2, ours={"int8": str(tmp_path)})
+    assert [p["name"] for p in plan] == ["llama.cpp Q4_1", "llama.cpp Q8_0", "ORT GenAI INT4",
+                                         "ORT GenAI runtime on our INT8", "Olive INT8"]
     assert all("skipped" in p and "not installed" in p["skipped"] for p in plan)
+    # the llama.cpp peer says why it is optional (no wheel: pip would compile llama.cpp)
+    assert "no prebuilt wheel" in plan[0]["skipped"] and "peers-llama" in plan[0]["skipped"]
+
 
 
 def test_shipped_gguf_is_found_without_importing_the_package():

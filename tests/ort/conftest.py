@@ -25,12 +25,30 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.fixture(scope="session")
-def tiny_onnx_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+def _export(tiny_llama_dir, tmp_path_factory, attention: str) -> Path:
     from pipeline.ort.export import export_onnx
 
     os.environ.setdefault("FORGE_PROGRESS", "0")
-    out = tmp_path_factory.mktemp("tiny_onnx")
-    metrics = export_onnx(tiny_llama_dir, out, opset=18, parity={"fp32": {"atol": 1e-4, "rtol": 1e-4}})
+    out = tmp_path_factory.mktemp(f"tiny_onnx_{attention}")
+    metrics = export_onnx(tiny_llama_dir, out, opset=18, parity={"fp32": {"atol": 1e-4, "rtol": 1e-4}},
+                          attention=attention)
     (out / "export_metrics.txt").write_text(repr(metrics))
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The default export: GroupQueryAttention graph with the in-place (shared) KV cache."""
+    return _export(tiny_llama_dir, tmp_path_factory, "gqa")
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_standard_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    """The plain-ONNX export (standard attention, concatenating KV cache) that the tensorrt target reads."""
+    return _export(tiny_llama_dir, tmp_path_factory, "standard")
+
+
+@pytest.fixture(params=["gqa", "standard"])
+def tiny_any_dir(request, tiny_onnx_dir, tiny_onnx_standard_dir) -> Path:
+    """Both graph layouts: the runtime must give the same answers on either."""
+    return tiny_onnx_dir if request.param == "gqa" else tiny_onnx_standard_dir

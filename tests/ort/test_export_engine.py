@@ -24,29 +24,70 @@ def test_export_writes_checked_model_with_external_data(tiny_onnx_dir):
     assert m["model_bytes"] > 256 * 64 * 4  # at least the embedding
 
 
-def test_one_graph_has_kv_inputs_with_dynamic_past(tiny_onnx_dir):
+def test_gqa_graph_has_genai_inputs_and_in_place_kv(tiny_onnx_dir):
     eng = OrtEngine(tiny_onnx_dir, threads=1)
     names = [i.name for i in eng.session.get_inputs()]
-    assert names[:3] == ["input_ids", "attention_mask", "position_ids"]
-    assert "past_key_values.1.value" in names and eng.num_layers == 2
-    past_dim = eng.session.get_inputs()[3].shape[2]
+    assert names[:2] == ["input_ids", "attention_mask"] and "position_ids" not in names
+    assert "past_key_values.1.value" in names and eng.num_layers == 2 and eng.layout == "shared"
+    past_dim = eng.session.get_inputs()[2].shape[2]
     assert isinstance(past_dim, str)  # symbolic
+    model = onnx.load(str(tiny_onnx_dir / MODEL_FILE), load_external_data=False)
+    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and all(n.domain == "com.microsoft" for n in gqa)
+    assert {o.domain: o.version for o in model.opset_import}["com.microsoft"] == 1
+    meta = load_meta(tiny_onnx_dir)
+    assert meta["kv_layout"] == "shared" and meta["max_seq_len"] == 256   # tiny model's max_position_embeddings
 
 
-def test_logits_match_torch_batch_and_padding(tiny_llama_dir, tiny_onnx_dir):
+def test_standard_graph_keeps_position_ids(tiny_onnx_standard_dir):
+    eng = OrtEngine(tiny_onnx_standard_dir, threads=1)
+    names = [i.name for i in eng.session.get_inputs()]
+    assert names[:3] == ["input_ids", "attention_mask", "position_ids"] and eng.layout == "concat"
+    ops = {n.op_type for n in onnx.load(str(tiny_onnx_standard_dir / MODEL_FILE), load_external_data=False).graph.node}
+    assert "GroupQueryAttention" not in ops
+
+
+def test_decode_writes_the_preallocated_buffers_in_place(tiny_onnx_dir):
+    """The KV cache is allocated once: every decode step's present is the past buffer itself."""
+    eng = OrtEngine(tiny_onnx_dir, threads=1)
+    cache = eng.cache(2, 16)
+    before = [v.data_ptr() for v in cache.values]
+    eng.forward(np.array([[5, 6, 7], [8, 9, 0]]), np.array([3, 2]), cache)
+    k0 = cache.values[0].numpy().copy()
+    for _ in range(3):
+        eng.forward(np.array([[1], [2]]), np.array([1, 1]), cache)
+    assert [v.data_ptr() for v in cache.values] == before
+    assert cache.lengths.tolist() == [6, 5] and cache.width == 6
+    k1 = cache.values[0].numpy()
+    # row 1 (prompt of 2) got its first decoded token at position 2, overwriting the padded slot
+    assert np.array_equal(k1[0, :, :3], k0[0, :, :3]) and not np.allclose(k1[1, :, 2], k0[1, :, 2])
+    # a second request of the same batch size reuses the buffers
+    assert eng.cache(2, 10) is cache
+
+
+def test_logits_match_torch_batch_and_padding(tiny_llama_dir, tiny_any_dir):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         ref = model(input_ids=ids).logits.numpy()
-    got = OrtEngine(tiny_onnx_dir, threads=1).logits(ids)
+    eng = OrtEngine(tiny_any_dir, threads=1)
+    got = eng.logits(ids)
     assert got.shape == (3, 20, 256)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+    mask = np.ones((3, 20), np.int64)
+    mask[1, 12:] = 0   # right padding: row 1 has 12 tokens
+    padded = eng.logits(ids, mask)
+    with torch.no_grad():
+        ref1 = model(input_ids=ids[1:2, :12]).logits.numpy()[0]
+    np.testing.assert_allclose(padded[1, :12], ref1, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="right padding"):
+        eng.logits(ids, 1 - mask)
 
 
-def test_kv_decode_equals_full_recompute(tiny_onnx_dir):
-    eng = OrtEngine(tiny_onnx_dir, threads=1)
+def test_kv_decode_equals_full_recompute(tiny_any_dir):
+    eng = OrtEngine(tiny_any_dir, threads=1)
     prompt = [5, 17, 99, 3, 42]
     got = eng.generate(prompt, 10)
     seq = list(prompt)
@@ -56,24 +97,28 @@ def test_kv_decode_equals_full_recompute(tiny_onnx_dir):
     assert len(set(got)) > 1  # not a degenerate constant stream
 
 
-def test_greedy_equals_torch_greedy(tiny_llama_dir, tiny_onnx_dir):
+def test_greedy_equals_torch_greedy(tiny_llama_dir, tiny_any_dir):
     from pipeline.eval.reference import TorchReference
 
     ref = TorchReference(tiny_llama_dir)
-    eng = OrtEngine(tiny_onnx_dir, threads=1)
+    eng = OrtEngine(tiny_any_dir, threads=1)
     for prompt in ([1, 2, 3], [200, 7, 7, 9, 100, 31]):
         assert eng.generate(prompt, 12) == ref.generate_greedy(prompt, 12)
 
 
-def test_batch_generate_with_padding_equals_single(tiny_onnx_dir):
-    eng = OrtEngine(tiny_onnx_dir, threads=1)
+def test_batch_generate_with_padding_equals_single(tiny_any_dir):
+    eng = OrtEngine(tiny_any_dir, threads=1)
     prompts = [[1, 2, 3], [200, 7, 7, 9, 100, 31], [77]]
     batch = eng.generate_batch(prompts, 8)
     assert batch == [eng.generate(p, 8) for p in prompts]
+    # per-row lengths and settings (how the Triton model batches requests): each row as if alone
+    mixed = eng.generate_batch(prompts, [3, 8, 5], greedy=[True, False, True], top_k=[0, 5, 0], seed=[0, 4, 0])
+    assert mixed[0] == batch[0][:3] and mixed[2] == batch[2][:5]
+    assert mixed[1] == eng.generate(prompts[1], 8, greedy=False, top_k=5, seed=4)
 
 
-def test_eos_and_sampling(tiny_onnx_dir):
-    eng = OrtEngine(tiny_onnx_dir, threads=1)
+def test_eos_and_sampling(tiny_any_dir):
+    eng = OrtEngine(tiny_any_dir, threads=1)
     first = eng.generate([1, 2, 3], 1)[0]
     assert eng.generate([1, 2, 3], 10, eos_token_id=first) == [first]
     a = eng.generate([1, 2, 3], 10, greedy=False, temperature=1.0, top_k=20, seed=1)

@@ -42,3 +42,15 @@ class OrtEngine:
             if eos_token_id is not None and t == eos_token_id:
                 break
         return out
+
+    def generate_batch(self, prompts, max_new_tokens, greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0,
+                       eos_token_id=None):
+        """OrtEngine's batched API (per-row settings); the Triton model sends every row of a batch through it."""
+        n = len(prompts)
+
+        def row(v, i):
+            return v[i] if isinstance(v, (list, tuple)) else v
+
+        return [self.generate(prompts[i], row(max_new_tokens, i), greedy=row(greedy, i), temperature=row(temperature, i),
+                              top_k=row(top_k, i), top_p=row(top_p, i), seed=row(seed, i),
+                              eos_token_id=row(eos_token_id, i)) for i in range(n)]

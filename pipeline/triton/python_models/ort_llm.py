@@ -49,43 +49,71 @@ class TritonPythonModel:
             return np.full(batch, default, dtype)
         return t.as_numpy().reshape(batch, -1)[:, 0].astype(dtype)
 
+    def _parse(self, request):
+        """One request -> its rows: (prompt ids, settings) each."""
+        ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
+        ids = ids.reshape(ids.shape[0], -1)
+        batch = ids.shape[0]
+        in_len = pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy().reshape(batch, -1)[:, 0]
+        out_len = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy().reshape(batch, -1)[:, 0]
+        end_id = self._opt(request, "end_id", batch, -1, np.int64)
+        top_k = self._opt(request, "runtime_top_k", batch, 0, np.int64)
+        top_p = self._opt(request, "runtime_top_p", batch, 0.0, np.float64)
+        temp = self._opt(request, "temperature", batch, 1.0, np.float64)
+        seed = self._opt(request, "seed", batch, 0, np.uint64)
+        rows = []
+        for b in range(batch):
+            n_new = int(out_len[b])
+            if n_new < 1 or n_new > self.max_new_tokens_cap:
+                raise ValueError(f"max_tokens must be in [1, {self.max_new_tokens_cap}], got {n_new}")
+            eos = int(end_id[b])
+            rows.append(([int(t) for t in ids[b, : int(in_len[b])]],
+                         {"max_new_tokens": n_new, "greedy": int(top_k[b]) <= 1 and float(top_p[b]) <= 0.0,
+                          "temperature": float(temp[b]), "top_k": int(top_k[b]),
+                          "top_p": float(top_p[b]) if top_p[b] > 0 else 1.0, "seed": int(seed[b]),
+                          "eos_token_id": eos if eos >= 0 else None}))
+        return rows
+
+    def _generate(self, rows):
+        """All rows of all requests Triton batched together go through the engine as ONE batch (prompts of
+        different lengths, each with its own settings); engines without generate_batch run row by row."""
+        if hasattr(self.engine, "generate_batch") and len(rows) > 1:
+            keys = ("max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "eos_token_id")
+            return self.engine.generate_batch([p for p, _ in rows], **{k: [o[k] for _, o in rows] for k in keys})
+        return [self.engine.generate(p, o["max_new_tokens"], **{k: v for k, v in o.items() if k != "max_new_tokens"})
+                for p, o in rows]
+
     def execute(self, requests):
-        responses = []
-        for request in requests:
+        responses = [None] * len(requests)
+        parsed = []
+        for i, request in enumerate(requests):
             try:
-                ids = pb_utils.get_input_tensor_by_name(request, "input_ids").as_numpy()
-                ids = ids.reshape(ids.shape[0], -1)
-                batch = ids.shape[0]
-                in_len = pb_utils.get_input_tensor_by_name(request, "input_lengths").as_numpy().reshape(batch, -1)[:, 0]
-                out_len = pb_utils.get_input_tensor_by_name(request, "request_output_len").as_numpy().reshape(batch, -1)[:, 0]
-                end_id = self._opt(request, "end_id", batch, -1, np.int64)
-                top_k = self._opt(request, "runtime_top_k", batch, 0, np.int64)
-                top_p = self._opt(request, "runtime_top_p", batch, 0.0, np.float64)
-                temp = self._opt(request, "temperature", batch, 1.0, np.float64)
-                seed = self._opt(request, "seed", batch, 0, np.uint64)
-                outs = []
-                for b in range(batch):
-                    n_new = int(out_len[b])
-                    if n_new < 1 or n_new > self.max_new_tokens_cap:
-                        raise ValueError(f"max_tokens must be in [1, {self.max_new_tokens_cap}], got {n_new}")
-                    greedy = int(top_k[b]) <= 1 and float(top_p[b]) <= 0.0
-                    eos = int(end_id[b])
-                    gen = self.engine.generate(
-                        [int(t) for t in ids[b, : int(in_len[b])]], n_new, greedy=greedy,
-                        temperature=float(temp[b]), top_k=int(top_k[b]), top_p=float(top_p[b]) if top_p[b] > 0 else 1.0,
-                        seed=int(seed[b]), eos_token_id=eos if eos >= 0 else None)
-                    outs.append(list(gen))
-                width = max(1, max(len(g) for g in outs))
-                output_ids = np.full((batch, 1, width), -1, np.int32)
-                seq_len = np.zeros((batch, 1), np.int32)
-                for b, g in enumerate(outs):
-                    output_ids[b, 0, : len(g)] = g
-                    seq_len[b, 0] = len(g)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("output_ids", output_ids), pb_utils.Tensor("sequence_length", seq_len)]))
+                parsed.append((i, self._parse(request)))
             except Exception as e:
-                responses.append(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}")))
+                responses[i] = self._error(e)
+        rows = [r for _, rs in parsed for r in rs]
+        try:
+            outs = self._generate(rows) if rows else []
+        except Exception as e:
+            for i, _ in parsed:
+                responses[i] = self._error(e)
+            return responses
+        k = 0
+        for i, rs in parsed:
+            gens, k = outs[k:k + len(rs)], k + len(rs)
+            width = max(1, max(len(g) for g in gens))
+            output_ids = np.full((len(gens), 1, width), -1, np.int32)
+            seq_len = np.zeros((len(gens), 1), np.int32)
+            for b, g in enumerate(gens):
+                output_ids[b, 0, : len(g)] = g
+                seq_len[b, 0] = len(g)
+            responses[i] = pb_utils.InferenceResponse(output_tensors=[
+                pb_utils.Tensor("output_ids", output_ids), pb_utils.Tensor("sequence_length", seq_len)])
         return responses
+
+    @staticmethod
+    def _error(e):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
 
     def finalize(self):
         self.engine = None

@@ -18,8 +18,8 @@ from .regression import catalog
 from .render import HEADLINE, headline, peak_rss, regression_failures
 from .store import Run
 
-W, H = 360, 196
-ML, MR, MT, MB = 54, 14, 28, 34
+W, H = 284, 184
+ML, MR, MT, MB = 50, 12, 28, 34
 COLORS = {"passed": "#1a7f37", "failed": "#cf222e", "incomplete": "#bf8700"}
 GATE_STAGES = ("validate", "validate_checkpoint")
 

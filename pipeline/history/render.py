@@ -129,7 +129,7 @@ def diff_text(a: Run, b: Run) -> str:
     if rc:
         lines.append("  recipe keys:")
         lines += [f"    {c.path}: {short(c.old)} -> {short(c.new)}" for c in rc]
-    lines += ["", "Metrics:", f"  {'metric':<28}{a.label:>14}{b.label:>14}{'change':>24}"]
+    lines += ["", "Metrics:", f"  {'metric':<28}{a.label:>14}{b.label:>14}  change"]
     ha, hb = headline(a), headline(b)
     cat = catalog()
     for _, name, _ in HEADLINE:
@@ -167,7 +167,7 @@ def _metric_row(name: str, va, vb, worse: str) -> str:
         rel = f" ({d / abs(va) * 100:+.1f} %)" if va else ""
         tag = "" if d == 0 else ("  worse" if (d > 0) == (worse == "higher") else "  better")
         change = f"{d:+.4g}{rel}{tag}"
-    return f"{name:<28}{_fmt(va):>14}{_fmt(vb):>14}{change:>24}"
+    return f"{name:<28}{_fmt(va):>14}{_fmt(vb):>14}  {change}"
 
 
 # ---------------------------------------------------------------- CI step summary

@@ -135,3 +135,17 @@ def test_nightly_example_calls_real_commands_and_options():
             cmd.make_context(args[0], args[1:])
         except Exception as e:   # typer vendors click: its UsageError is not click's
             raise AssertionError(f"{line}: {e}") from None
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["history", "diff", "99"], "no night #99"),
+    (["history", "diff", "nope"], "no nights of recipe 'nope'"),
+    (["history", "diff", "nightly-synthetic~5"], "has only 3 night(s)"),
+    (["history", "nope"], "no nights of nope"),
+    (["history", "--since", "yesterday"], "expected a duration like 7d"),
+    (["history", "diff"], "usage: forge history diff A [B]"),
+])
+def test_history_bad_arguments_exit_2_with_the_fix(nightly_env, monkeypatch, capsys, args, expect):
+    three_nights(nightly_env, monkeypatch, capsys)
+    code, out, err = forge(monkeypatch, capsys, *args)
+    assert code == 2 and expect in " ".join((out + err).split()) and "Traceback" not in err

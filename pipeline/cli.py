@@ -241,7 +241,7 @@ def _history(h, args, since, limit, html, summary_md, as_json) -> None:
     from .history import render
     if args[:1] == ["diff"]:
         if len(args) not in (2, 3):
-            raise typer.BadParameter("usage: forge history diff A [B]")
+            raise UsageError("usage: forge history diff A [B]")
         a = _night(h, args[1])
         b = _night(h, args[2]) if len(args) == 3 else None
         if b is None:   # one night given: what changed since the last good night before it
@@ -253,19 +253,19 @@ def _history(h, args, since, limit, html, summary_md, as_json) -> None:
         return
     if args[:1] == ["add-bench"]:
         if len(args) != 2:
-            raise typer.BadParameter("usage: forge history add-bench bench/out/results.json")
+            raise UsageError("usage: forge history add-bench bench/out/results.json")
         from .history.bench import add_bench
         code = add_bench(h, Path(args[1]), console, err)
         raise typer.Exit(code)
     try:
         since_ts = render.parse_since(since) if since else None
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise UsageError(str(e)) from None
     recipes = args or h.recipes()
     unknown = [r for r in recipes if r not in h.recipes()]
     if unknown:
         known = ", ".join(h.recipes()) or "none yet"
-        raise typer.BadParameter(f"no nights of {', '.join(unknown)} in {h.path} (recorded recipes: {known})")
+        raise UsageError(f"no nights of {', '.join(unknown)} in {h.path} (recorded recipes: {known})")
     by_recipe = {r: h.runs(r, since_ts, limit) for r in recipes}
     if html:
         from .history.page import write_page
@@ -295,7 +295,7 @@ def _night(h, ref: str):
     if text.isdigit():
         run = h.get(int(text))
         if run is None:
-            raise typer.BadParameter(f"no night #{text} in {h.path}")
+            raise UsageError(f"no night #{text} in {h.path}")
         return run
     recipe, good, back = text, False, 0
     if text.endswith("@good"):
@@ -303,20 +303,20 @@ def _night(h, ref: str):
     elif "~" in text:
         recipe, _, n = text.rpartition("~")
         if not n.isdigit():
-            raise typer.BadParameter(f"{ref!r}: expected RECIPE~N with a number N")
+            raise UsageError(f"{ref!r}: expected RECIPE~N with a number N")
         back = int(n)
     ids = h.run_ids(recipe)
     if not ids:
-        raise typer.BadParameter(f"{ref!r}: no nights of recipe {recipe!r} in {h.path} "
+        raise UsageError(f"{ref!r}: no nights of recipe {recipe!r} in {h.path} "
                                  f"(recorded: {', '.join(h.recipes()) or 'none'})")
     newest = h.get(ids[-1])
     if good:
         run = h.last_good(recipe, newest.machine_class)
         if run is None:
-            raise typer.BadParameter(f"{ref!r}: {recipe} has no good night on {newest.machine_class}")
+            raise UsageError(f"{ref!r}: {recipe} has no good night on {newest.machine_class}")
         return run
     if back >= len(ids):
-        raise typer.BadParameter(f"{ref!r}: {recipe} has only {len(ids)} night(s)")
+        raise UsageError(f"{ref!r}: {recipe} has only {len(ids)} night(s)")
     return h.get(ids[-1 - back])
 
 

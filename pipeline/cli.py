@@ -30,6 +30,8 @@ console = Console()
 err = Console(stderr=True)
 
 SetOpt = typer.Option(None, "--set", help="dotted override, e.g. --set quantize.calibration.samples=64 (repeatable)")
+HistoryOpt = typer.Option(None, "--history", help="run-history database (default: $FORGE_HISTORY, else "
+                                                  "FORGE_HOME/history.sqlite)")
 
 
 def _resolve(name: str, overrides: list[str] | None):
@@ -137,11 +139,15 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
           until: Optional[str] = typer.Option(None, "--until", help="stop after this stage"),
           force: Optional[List[str]] = typer.Option(None, "--force", help="rebuild this stage even if cached"),
           keep_going: bool = typer.Option(False, "--keep-going", help="build the remaining recipes after a failure"),
-          report_dir: Path = typer.Option(Path("out"), "--report-dir", help="where report.json/junit.xml go")):
-    """Build recipes: run every stage that is not cached, then validate and package."""
+          report_dir: Path = typer.Option(Path("out"), "--report-dir", help="where report.json/junit.xml go"),
+          history_db: Optional[Path] = HistoryOpt):
+    """Build recipes: run every stage that is not cached, then validate and package; each night is recorded in
+    the run history and checked against the recipe's regression rules (validate.regression)."""
+    from .history import Nightly
     from .report import (build_report, invalid_report, overall_status, report_dir_name, write_reports,
                          write_summary)
     from .runner import Runner
+    nightly = Nightly(history_db, warn=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}"))
     statuses: dict[str, str] = {}
 
     def on_stage(res):
@@ -171,8 +177,10 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             if not keep_going:
                 break
             continue
+        results += nightly.check(r, results)   # regression rules vs the last good night (never cached)
         report = build_report(r, results, time.perf_counter() - t0)
         out = report_dir / r.name
+        nightly.record(r, report, out / "report.json")
         _write_safely(lambda: write_reports(report, out, console))
         by_name = {x.name: x for x in results}
         if "build" in by_name:
@@ -201,6 +209,119 @@ def _write_safely(write) -> None:
         write()
     except OSError as e:
         err.print(f"[red]could not write a report:[/] {escape(str(e))}")
+
+
+# ------------------------------------------------------------------ history
+@app.command("history")
+def history_cmd(args: Optional[List[str]] = typer.Argument(
+                    None, metavar="[RECIPE...] | diff A [B] | add-bench RESULTS.json",
+                    help="recipes to show (default all); `diff A [B]`: what changed from night A to B (B default: "
+                         "the newest night of A's recipe; A/B: a night id, RECIPE (its newest), RECIPE~N (N before "
+                         "that) or RECIPE@good (its last good night)); `add-bench`: attach bench/run.py results"),
+                since: Optional[str] = typer.Option(None, "--since", help="only nights since: 7d, 36h, 2w or 2026-12-01"),
+                limit: int = typer.Option(20, "--limit", help="newest nights per recipe"),
+                html: Optional[Path] = typer.Option(None, "--html", help="write the trend page (self-contained HTML)"),
+                summary_md: Optional[Path] = typer.Option(None, "--summary-md", help="append tonight-vs-last-good "
+                                                          "Markdown (e.g. $GITHUB_STEP_SUMMARY)"),
+                as_json: bool = typer.Option(False, "--json", help="nights as JSON"),
+                history_db: Optional[Path] = HistoryOpt):
+    """Nightly history: a table per recipe over time, what changed between nights, a trend page, CI summaries."""
+    from .env import history_db as default_db
+    from .history import History, HistoryUnavailable
+    try:
+        h = History(history_db or default_db())
+    except HistoryUnavailable as e:
+        raise ForgeError(f"run history: {e}") from None
+    try:
+        _history(h, list(args or []), since, limit, html, summary_md, as_json)
+    except HistoryUnavailable as e:
+        raise ForgeError(f"run history: {e}") from None
+    finally:
+        h.close()
+
+
+def _history(h, args, since, limit, html, summary_md, as_json) -> None:
+    from dataclasses import asdict
+    from .history import render
+    if args[:1] == ["diff"]:
+        if len(args) not in (2, 3):
+            raise UsageError("usage: forge history diff A [B]")
+        a = _night(h, args[1])
+        b = _night(h, args[2]) if len(args) == 3 else None
+        if b is None:   # one night given: what changed since the last good night before it
+            b, a = a, h.last_good(a.recipe, a.machine_class, before=a.id)
+            if a is None:
+                raise ForgeError(f"night {b.label} of {b.recipe}: no earlier good night to compare with; "
+                                 f"name two nights: forge history diff A B")
+        print(render.diff_text(a, b))
+        return
+    if args[:1] == ["add-bench"]:
+        if len(args) != 2:
+            raise UsageError("usage: forge history add-bench bench/out/results.json")
+        from .history.bench import add_bench
+        code = add_bench(h, Path(args[1]), console, err)
+        raise typer.Exit(code)
+    try:
+        since_ts = render.parse_since(since) if since else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    recipes = args or h.recipes()
+    unknown = [r for r in recipes if r not in h.recipes()]
+    if unknown:
+        known = ", ".join(h.recipes()) or "none yet"
+        raise UsageError(f"no nights of {', '.join(unknown)} in {h.path} (recorded recipes: {known})")
+    by_recipe = {r: h.runs(r, since_ts, limit) for r in recipes}
+    if html:
+        from .history.page import write_page
+        page = write_page(by_recipe, html, str(h.path))
+        err.print(f"wrote {page}")
+    if summary_md:
+        summary_md.parent.mkdir(parents=True, exist_ok=True)
+        with open(summary_md, "a", encoding="utf-8") as f:
+            f.write(render.summary_md(h, recipes))
+        err.print(f"appended the summary to {summary_md}")
+    if as_json:
+        print(json.dumps({r: [asdict(x) for x in runs] for r, runs in by_recipe.items()}, indent=1, default=str))
+    elif not html and not summary_md:
+        if not any(by_recipe.values()):
+            console.print(f"no nights recorded in {h.path}" + (f" since {since_ts}" if since_ts else ""))
+        out = console if console.is_terminal else Console(width=max(console.width, 160))   # logs do not wrap
+        for r, runs in by_recipe.items():
+            if runs:
+                out.print(render.history_table(r, runs))
+                for line in render.history_notes(runs):
+                    out.print(escape(line), highlight=False)
+
+
+def _night(h, ref: str):
+    """A night from its id (12, #12), RECIPE (newest), RECIPE~N (N before the newest) or RECIPE@good."""
+    text = ref.lstrip("#")
+    if text.isdigit():
+        run = h.get(int(text))
+        if run is None:
+            raise UsageError(f"no night #{text} in {h.path}")
+        return run
+    recipe, good, back = text, False, 0
+    if text.endswith("@good"):
+        recipe, good = text[:-5], True
+    elif "~" in text:
+        recipe, _, n = text.rpartition("~")
+        if not n.isdigit():
+            raise UsageError(f"{ref!r}: expected RECIPE~N with a number N")
+        back = int(n)
+    ids = h.run_ids(recipe)
+    if not ids:
+        raise UsageError(f"{ref!r}: no nights of recipe {recipe!r} in {h.path} "
+                                 f"(recorded: {', '.join(h.recipes()) or 'none'})")
+    newest = h.get(ids[-1])
+    if good:
+        run = h.last_good(recipe, newest.machine_class)
+        if run is None:
+            raise UsageError(f"{ref!r}: {recipe} has no good night on {newest.machine_class}")
+        return run
+    if back >= len(ids):
+        raise UsageError(f"{ref!r}: {recipe} has only {len(ids)} night(s)")
+    return h.get(ids[-1 - back])
 
 
 # ------------------------------------------------------------------ cache

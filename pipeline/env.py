@@ -1,11 +1,11 @@
 """Facts about this machine and environment, each defined once.
 
 Cache keys, manifests, reports and `forge doctor` read these functions so they always agree:
-where forge keeps its files (``forge_home``, ``cache_root``), what of the CPU changes numbers
-(``cpu_model``, ``cpu_flags``), which tool versions are installed (``TOOLS``, ``tool_version``), which GPUs
-there are (``gpus``, ``gpu_sm``), how much memory a piece of work peaked at (``PeakRss``), free disk space
-(``free_bytes``), and how a file or directory is published without a reader ever seeing half of it
-(``atomic_write``, ``publish_dir``).
+where forge keeps its files (``forge_home``, ``cache_root``, ``history_db``), which commit of forge runs
+(``source_commit``), what of the CPU changes numbers (``cpu_model``, ``cpu_flags``, ``cpu_isa_class``), which
+tool versions are installed (``TOOLS``, ``tool_version``), which GPUs there are (``gpus``, ``gpu_sm``), how much
+memory a piece of work peaked at (``PeakRss``), free disk space (``free_bytes``), and how a file or directory is
+published without a reader ever seeing half of it (``atomic_write``, ``publish_dir``).
 """
 
 from __future__ import annotations
@@ -33,6 +33,29 @@ def cache_root() -> Path:
     """The artifact cache: ``$FORGE_CACHE`` (an empty value counts as unset), else ``forge_home()/artifacts``."""
     raw = os.environ.get("FORGE_CACHE", "").strip()
     return Path(raw).expanduser().absolute() if raw else forge_home() / "artifacts"
+
+
+def history_db() -> Path:
+    """The run-history database: ``$FORGE_HISTORY`` (an empty value counts as unset), else
+    ``forge_home()/history.sqlite``."""
+    raw = os.environ.get("FORGE_HISTORY", "").strip()
+    return Path(raw).expanduser().absolute() if raw else forge_home() / "history.sqlite"
+
+
+def source_commit() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the forge checkout this code runs from; (None, None) outside a git work tree."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None, None
 
 
 @lru_cache(maxsize=1)

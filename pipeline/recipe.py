@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from .errors import MAX_PROBLEMS_SHOWN, RecipeError
 from .hashing import sha256_json
@@ -200,11 +200,103 @@ class PromptsSection(Section):
     limit: Optional[int] = Field(None, ge=1, le=10000, description="use only the first N prompts")
 
 
+_RULE_TEXT = re.compile(r"^\s*([+-])?\s*(\d+(?:\.\d*)?|\.\d+)\s*(%)?\s*$")
+
+
+class RegressionRule(Section):
+    """How much worse than the last good night a metric may get: exactly one of ``abs`` or ``pct``.
+
+    In a recipe either the mapping or the short form: ``0.5`` / ``"+0.5"`` (absolute, in the metric's
+    own units) or ``"-10%"`` (relative to the last good night's value). A sign, when written, must point
+    the way the metric gets worse (``-`` for speeds and agreement, ``+`` for perplexity and sizes).
+    """
+    abs: Optional[float] = Field(None, ge=0, description="allowed worsening in the metric's own units")
+    pct: Optional[float] = Field(None, ge=0, description="allowed worsening in % of the last good night's value "
+                                                         "(of its magnitude)")
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.abs is None) == (self.pct is None):
+            raise ValueError("give exactly one of abs (metric units) or pct (% of the last good night), "
+                             "e.g. {abs: 0.5} or '-10%'")
+        return self
+
+    def allowed(self, baseline: float) -> float:
+        """The allowed worsening from ``baseline``, in the metric's units."""
+        return self.abs if self.abs is not None else abs(baseline) * self.pct / 100.0
+
+    def text(self, worse: str) -> str:
+        sign = "+" if worse == "higher" else "-"
+        return f"{sign}{self.abs:g}" if self.abs is not None else f"{sign}{self.pct:g}%"
+
+
+def _rule(worse: Literal["higher", "lower"], source: str, description: str):
+    """A regression-rule field; ``worse`` and ``source`` are read by pipeline/history (where the value is found)."""
+    return Field(None, description=f"{description}; gets worse when {'higher' if worse == 'higher' else 'lower'}",
+                 json_schema_extra={"worse": worse, "source": source})
+
+
+class RegressionRules(Section):
+    """Per metric, how much worse than the last good night (same recipe, same machine class) a night may be.
+
+    Checked after every build, whether its stages were built or cached (pipeline/history/regression.py);
+    a night beyond a rule fails with exit 1 even when every absolute gate passes.
+    """
+    ppl_delta_pct: Optional[RegressionRule] = _rule("higher", "evaluation:ppl_delta_pct",
+                                                    "perplexity increase vs FP32, in % (abs: percentage points)")
+    top1_agreement: Optional[RegressionRule] = _rule("lower", "evaluation:top1_agreement",
+                                                     "top-1 token agreement with FP32, 0..1")
+    logits_cosine: Optional[RegressionRule] = _rule("lower", "evaluation:logits_cosine", "logits cosine vs FP32")
+    logits_max_abs: Optional[RegressionRule] = _rule("higher", "evaluation:logits_max_abs", "max |logit - FP32 logit|")
+    greedy_exact_match: Optional[RegressionRule] = _rule("lower", "evaluation:greedy_exact_match",
+                                                         "fraction of prompts whose greedy output equals FP32's")
+    size_ratio: Optional[RegressionRule] = _rule("higher", "quantize:size_ratio", "quantized model bytes / FP32 bytes")
+    stage_s: Optional[RegressionRule] = _rule("higher", "stage:duration_s",
+                                              "seconds of each stage built tonight, vs the last good night that "
+                                              "built it (cache hits are not timed)")
+    peak_rss_mb: Optional[RegressionRule] = _rule("higher", "stage:peak_rss_mb",
+                                                  "peak RSS (MB) of each stage built tonight, vs the last good night "
+                                                  "that built it")
+    prefill_tok_s: Optional[RegressionRule] = _rule("lower", "bench:prefill_b4",
+                                                    "bench prefill tokens/s (4 x 256); from `forge history add-bench`")
+    decode_tok_s: Optional[RegressionRule] = _rule("lower", "bench:decode_b1",
+                                                   "bench decode tokens/s (batch 1); from `forge history add-bench`")
+    ttft_s: Optional[RegressionRule] = _rule("higher", "bench:ttft_s",
+                                             "bench time to first token, s; from `forge history add-bench`")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _short_form(cls, v, info):
+        """'+0.5' / '-10%' / 0.5 -> {abs: 0.5} / {pct: 10}; a written sign must point the way the metric worsens."""
+        if v is None or isinstance(v, (dict, RegressionRule)):
+            return v
+        worse = cls.model_fields[info.field_name].json_schema_extra["worse"]
+        want = "+" if worse == "higher" else "-"
+        if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+            raise ValueError(f"expected a number like {want}0.5, a percentage like '{want}10%', or {{abs: ..}} / {{pct: ..}}")
+        if isinstance(v, str):
+            m = _RULE_TEXT.match(v)
+            if not m:
+                raise ValueError(f"expected a number like {want}0.5 or a percentage like '{want}10%'")
+            sign, mag, pct = m.group(1), float(m.group(2)), bool(m.group(3))
+        else:
+            sign, mag, pct = ("-" if v < 0 else None), float(abs(v)), False
+        if sign and sign != want:
+            raise ValueError(f"{info.field_name} gets worse when it is {worse}: write '{want}{mag:g}{'%' if pct else ''}' "
+                             f"(the allowed change towards worse)")
+        return {"pct": mag} if pct else {"abs": mag}
+
+    def active(self) -> dict[str, RegressionRule]:
+        return {k: v for k, v in self if v is not None}
+
+
 class ValidateSection(Section):
     eval: list[TextSet] = Field(default_factory=lambda: [TextSet(set="wiki", split="eval", samples=8, seq_len=256)],
                                 min_length=1, max_length=16, description="held-out text sets; at least one")
     prompts: PromptsSection = Field(default_factory=PromptsSection)
     thresholds: Thresholds = Field(default_factory=Thresholds)
+    regression: RegressionRules = Field(default_factory=RegressionRules,
+                                        description="how much worse than the last good night each metric may get")
 
 
 # ---------------------------------------------------------------- package

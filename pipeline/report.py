@@ -109,7 +109,8 @@ def junit_xml(report: dict) -> str:
             ET.SubElement(g, "system-out").text = json.dumps(gate)
             if not gate["passed"]:
                 failures += 1
-                ET.SubElement(g, "failure", message=f"{gate['name']}={gate['value']} needs {gate['op']} {gate['threshold']}")
+                text = gate.get("message") or f"{gate['name']}={gate['value']} needs {gate['op']} {gate['threshold']}"
+                ET.SubElement(g, "failure", message=text[:500]).text = text
     suite.set("tests", str(tests))
     suite.set("failures", str(failures))
     suite.set("skipped", str(skipped))

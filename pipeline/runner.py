@@ -43,6 +43,7 @@ class StageResult:
     payload: str | None = None
     error_type: str = ""        # a failure's exception type (StageFailed for a gate or check that said no)
     log: str | None = None      # a failure's log: message, traceback, stage and key
+    components: dict | None = None  # the stage's key components (run history: what changed between nights)
 
 
 class _InputsCorrupt(Exception):
@@ -178,6 +179,7 @@ class Runner:
         payloads: dict[str, Path] = {}
         metrics: dict[str, dict] = {}
         keys: dict[str, str] = {}
+        self._components: dict[str, dict] = {}
         stop = False
         for s in self.stages:
             if stop:
@@ -194,6 +196,7 @@ class Runner:
                     on_stage(StageResult(s.name, Status.SKIPPED, message="an input changed on disk since it was cached: "
                                                                     "set aside, rebuilding it"))
                 raise
+            res.components = self._components.get(s.name)
             results.append(res)
             if on_stage:
                 on_stage(res)
@@ -218,7 +221,7 @@ class Runner:
         key = need = None
         sampler = PeakRss()
         try:
-            comps = s.components(self.recipe, self.home, digests)
+            comps = self._components[s.name] = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
             if not forced:
                 entry = self.cache.get(key)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("FORGE_PROGRESS", "0")
+# builds run by tests record their nights in a throw-away history, not the user's FORGE_HOME/history.sqlite
+_TEST_HISTORY = None
+if not os.environ.get("FORGE_HISTORY", "").strip():
+    _TEST_HISTORY = tempfile.mkdtemp(prefix="forge-test-history-")
+    os.environ["FORGE_HISTORY"] = os.path.join(_TEST_HISTORY, "history.sqlite")
 
 DEFAULT_RECIPE = os.environ.get("FORGE_SERVE_RECIPE", "smollm2-135m-int8")
 # Smaller calibration than the recipe's for CI time; the evaluation set and the gates are the recipe's own.
@@ -24,6 +31,11 @@ def pytest_configure(config):
     from pipeline.env import forge_home
     from pipeline.source import DEFAULT_SOURCE, resolve_source
     os.environ["FORGE_TEST_MODEL"] = str(resolve_source(DEFAULT_SOURCE, forge_home()).path)
+
+
+def pytest_unconfigure(config):
+    if _TEST_HISTORY:
+        shutil.rmtree(_TEST_HISTORY, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -165,6 +165,9 @@ class TrtllmBuildStage(Stage):
     def hardware(self, r):
         return target_sm(r)
 
+    def gpus(self, r):
+        return r.build.tensorrt_llm.tp * r.build.tensorrt_llm.pp     # one engine rank per GPU
+
     def missing(self, r):
         return trtllm_missing()
 
@@ -231,6 +234,9 @@ class TrtllmEvaluate(EvaluateBase):
 
     def hardware(self, r):
         return target_sm(r)
+
+    def gpus(self, r):
+        return r.build.tensorrt_llm.tp * r.build.tensorrt_llm.pp     # the engine's ranks run at once
 
     def missing(self, r):
         return trtllm_missing()

@@ -230,7 +230,7 @@ class RayBuild:
                 self._finish(st, StageResult(s.name, "skipped", message="after --until" if st.until else
                                              "upstream did not complete"))
                 continue
-            if any(n in st.waiting for n in s.needs):
+            if any(n not in st.results for n in s.needs):
                 continue                    # runs when what it needs is back
             if any(n not in st.upstream for n in s.needs):
                 self._finish(st, StageResult(s.name, "skipped", message="upstream did not complete"))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from servers import Shared, seaweedfs  # noqa: E402
+from servers import REPO, Shared, ray_cluster, seaweedfs  # noqa: E402
 
 
 @pytest.fixture(scope="session")

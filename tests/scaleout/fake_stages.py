@@ -5,7 +5,7 @@ Knobs come from the recipe's free ``quantize.options`` (so they enter the stage 
 ``sleep`` (seconds the transform stage takes), ``crash_once`` (a marker path: the transform stage's first attempt
 writes its pid there and waits to be killed), ``size_kb`` (transform payload size), ``salt`` (nondeterministic
 bytes: each run writes different ones, to tell a loser's payload from the winner's). ``flow(sm90=True)`` adds a
-stage bound to GPU architecture sm90 that needs the custom Ray resource ``sm_90`` (forge_fake.py gives it to
+stage bound to GPU architecture ``sm`` (default 90) that needs the custom Ray resource ``sm_90`` (forge_fake.py gives it to
 recipes whose build.target is not onnxruntime).
 """
 
@@ -81,22 +81,22 @@ class Gate(Stage):
         return {"passed": True, **_where()}
 
 
-class Sm90(Stage):
-    """Output bound to GPU architecture sm90; on the test cluster only the node advertising ``sm_90`` runs it
-    (no GPU is asked for: the test machines have none)."""
+class GpuArch(Stage):
+    """Output bound to a GPU architecture (option ``sm``, default 90): on the test cluster only a node advertising
+    ``sm_<sm>`` runs it (no GPU is asked for: the test machines have none)."""
     name = "engine"
     needs = ("gate",)
 
     def hardware(self, r):
-        return "sm90"
+        return f"sm{_opt(r, 'sm', 90)}"
 
     def gpus(self, r):
         return 0
 
     def run(self, ctx):
-        (ctx.out / "engine.bin").write_bytes(b"sm90" * 64)
+        (ctx.out / "engine.bin").write_bytes(self.hardware(ctx.recipe).encode() * 64)
         return _where()
 
 
 def flow(sm90: bool = False) -> list[Stage]:
-    return [Produce(), Transform(), Gate()] + ([Sm90()] if sm90 else [])
+    return [Produce(), Transform(), Gate()] + ([GpuArch()] if sm90 else [])

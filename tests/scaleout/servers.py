@@ -78,8 +78,9 @@ class Machine:
     cwd: Path
 
     def forge(self, *args, timeout: float = 180, check: int | None = 0, env: dict | None = None,
-              wait: bool = True):
-        cmd = [sys.executable, str(HERE / "forge_fake.py"), *map(str, args)]
+              wait: bool = True, real: bool = False):
+        """The forge CLI with the fake stages (``real``: the real stages) in this machine's environment."""
+        cmd = [sys.executable, *(["-m", "pipeline.cli"] if real else [str(HERE / "forge_fake.py")]), *map(str, args)]
         if not wait:
             return subprocess.Popen(cmd, cwd=self.cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -171,3 +172,68 @@ def seaweedfs(d: Path):
             for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     sock.unlink()
+
+
+@dataclass
+class RayCluster:
+    address: str
+    nodes: dict          # ip -> node id
+    homes: dict          # ip -> FORGE_HOME of that node
+
+
+def _ray_nodes(address: str, env: dict) -> list[dict]:
+    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+            "print(json.dumps([{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
+            "for n in ray.nodes() if n['Alive']]))" % address)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else []
+
+
+@contextlib.contextmanager
+def ray_cluster(tmp: Path, env: dict, second_node_resources: dict):
+    """Two Ray nodes on this machine, as `ray start` makes them: a head on 127.0.0.2 and a second node on 127.0.0.3
+    (both loopback addresses: Ray would turn 127.0.0.1 into the machine's network address), one CPU each, a small
+    object store, each with its own FORGE_HOME; the second advertises ``second_node_resources``."""
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="fr", dir="/tmp")     # short: Ray's unix socket paths must fit
+    port = free_port()
+    address = f"127.0.0.2:{port}"
+    procs: list[subprocess.Popen] = []
+
+    def start(ip: str, *args: str) -> None:
+        home = tmp / f"node-{ip}"
+        home.mkdir(parents=True, exist_ok=True)
+        node_env = {**env, "FORGE_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+        node_env.pop("FORGE_CACHE", None)
+        cmd = [ray, "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1", "--object-store-memory=80000000",
+               "--disable-usage-stats", "--include-log-monitor=false", f"--temp-dir={temp}",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
+        log = open(tmp / f"ray-{ip}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+
+    def wait_for(n: int) -> list[dict]:
+        t0 = time.time()
+        while True:
+            nodes = _ray_nodes(address, env)
+            if len(nodes) >= n:
+                return nodes
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.time() - t0 > 150:
+                logs = "\n".join(f.read_text()[-1500:] for f in tmp.glob("ray-*.log"))
+                raise RuntimeError(f"Ray cluster did not come up ({len(nodes)} of {n} nodes):\n{logs}")
+            time.sleep(1)
+
+    try:
+        start("127.0.0.2", "--head", f"--port={port}", "--include-dashboard=false",
+              f"--ray-client-server-port={free_port()}")
+        wait_for(1)
+        start("127.0.0.3", f"--address={address}", f"--resources={json.dumps(second_node_resources)}")
+        nodes = wait_for(2)
+        yield RayCluster(address, {n["ip"]: n["id"] for n in nodes},
+                         {ip: tmp / f"node-{ip}" for ip in ("127.0.0.2", "127.0.0.3")})
+    finally:
+        for p in reversed(procs):
+            kill_tree(p)
+        shutil.rmtree(temp, ignore_errors=True)

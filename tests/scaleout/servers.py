@@ -134,6 +134,7 @@ class Shared:
 @contextlib.contextmanager
 def seaweedfs(d: Path):
     """A SeaweedFS server with S3 on a free loopback port, data under ``d``; killed on exit."""
+    d.mkdir(parents=True, exist_ok=True)
     weed = Path(sys.executable).parent / "weed"
     weed = str(weed) if weed.exists() else shutil.which("weed")
     if not weed:
@@ -181,6 +182,14 @@ class RayCluster:
     homes: dict          # ip -> FORGE_HOME of that node
 
 
+def link_home(src: Path, home: Path) -> None:
+    """Give a fresh FORGE_HOME the fetched data and converted models of ``src`` (symlinks; nothing copied)."""
+    home.mkdir(parents=True, exist_ok=True)
+    for sub in ("data", "models", "gguf"):
+        if (src / sub).exists() and not (home / sub).exists():
+            (home / sub).symlink_to(src / sub)
+
+
 def _ray_nodes(address: str, env: dict) -> list[dict]:
     code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
             "print(json.dumps([{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
@@ -190,10 +199,12 @@ def _ray_nodes(address: str, env: dict) -> list[dict]:
 
 
 @contextlib.contextmanager
-def ray_cluster(tmp: Path, env: dict, second_node_resources: dict):
-    """Two Ray nodes on this machine, as `ray start` makes them: a head on 127.0.0.2 and a second node on 127.0.0.3
-    (both loopback addresses: Ray would turn 127.0.0.1 into the machine's network address), one CPU each, a small
-    object store, each with its own FORGE_HOME; the second advertises ``second_node_resources``."""
+def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None, nodes: int = 2,
+                link_from_home: Path | None = None):
+    """Ray nodes on this machine, as `ray start` makes them: a head on 127.0.0.2 and (``nodes=2``) a second node on
+    127.0.0.3 (loopback addresses: Ray would turn 127.0.0.1 into the machine's network address), one CPU each, a
+    small object store, each with its own FORGE_HOME (``link_from_home``: its data/models/gguf linked in); the
+    second advertises ``second_node_resources``."""
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="fr", dir="/tmp")     # short: Ray's unix socket paths must fit
     port = free_port()
@@ -203,6 +214,8 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict):
     def start(ip: str, *args: str) -> None:
         home = tmp / f"node-{ip}"
         home.mkdir(parents=True, exist_ok=True)
+        if link_from_home is not None:
+            link_home(link_from_home, home)
         node_env = {**env, "FORGE_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
         node_env.pop("FORGE_CACHE", None)
         cmd = [ray, "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1", "--object-store-memory=80000000",
@@ -228,11 +241,11 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict):
     try:
         start("127.0.0.2", "--head", f"--port={port}", "--include-dashboard=false",
               f"--ray-client-server-port={free_port()}")
-        wait_for(1)
-        start("127.0.0.3", f"--address={address}", f"--resources={json.dumps(second_node_resources)}")
-        nodes = wait_for(2)
-        yield RayCluster(address, {n["ip"]: n["id"] for n in nodes},
-                         {ip: tmp / f"node-{ip}" for ip in ("127.0.0.2", "127.0.0.3")})
+        up = wait_for(1)
+        if nodes > 1:
+            start("127.0.0.3", f"--address={address}", f"--resources={json.dumps(second_node_resources or {})}")
+            up = wait_for(2)
+        yield RayCluster(address, {n["ip"]: n["id"] for n in up}, {n["ip"]: tmp / f"node-{n['ip']}" for n in up})
     finally:
         for p in reversed(procs):
             kill_tree(p)

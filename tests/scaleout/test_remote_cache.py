@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
-
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
-from servers import REPO, Machine, free_port  # noqa: E402
+from servers import REPO, Machine, free_port, link_home  # noqa: E402
 
 
 def _stages(report: dict) -> dict:
@@ -175,3 +176,23 @@ def test_ray_executor_needs_a_shared_cache(tmp_path):
         assert "FORGE_CACHE=s3://" in " ".join(p.stderr.split())
     p = m.forge("build", tmp_path / "fa.yaml", "--executor", "ray", "--cache-offline", check=2)
     assert "--cache-offline" in p.stderr
+
+
+@pytest.mark.integration
+def test_real_recipe_source_stage_is_shared(shared):
+    """The real source stage of the default recipe through the bucket: machine b (its own FORGE_HOME, the same
+    converted model) finds a's entry, downloads and verifies it, and every later key agrees."""
+    from pipeline.env import forge_home
+    a, b = shared.machine("a"), shared.machine("b")
+    for m in (a, b):
+        link_home(forge_home(), m.home)
+    a.forge("build", "smollm2-135m-int8", "--until", "source", real=True)
+    built = _stages(a.report("smollm2-135m-int8"))["source"]
+    assert built["status"] == "built"
+    plan = {s["name"]: s for s in json.loads(b.forge("plan", "smollm2-135m-int8", "--json", real=True).stdout)["stages"]}
+    assert (plan["source"]["status"], plan["source"]["key"]) == ("hit", built["key"])
+    assert plan["source"]["reason"] == f"cached in {shared.url}"
+    b.forge("build", "smollm2-135m-int8", "--until", "source", real=True)
+    assert _stages(b.report("smollm2-135m-int8"))["source"]["status"] == "hit"
+    assert built["key"] in b.local_keys()
+    assert "0 corrupt entries" in b.forge("cache", "verify", real=True).stdout

@@ -90,7 +90,7 @@ def main() -> None:
     home = forge_home()
     runs = []
     with tempfile.TemporaryDirectory(prefix="forge-scaleout-") as tmp:
-        with seaweedfs(Path(tmp) / "weed") as s3:
+        with seaweedfs(Path(tmp) / "weed", volume_mb=512) as s3:
             s3.bucket = s3.new_bucket("forge-bench")
             for nodes in (1, 2):
                 work = Path(tmp) / f"n{nodes}"

@@ -56,6 +56,13 @@ def connect(address: str | None) -> str:
     if ray.is_initialized():
         return "the Ray cluster already joined"
     target = address or os.environ.get("RAY_ADDRESS") or None
+    host, _, port = (target or "").rpartition(":")
+    if host and port.isdigit() and "://" not in target:
+        try:        # ray.init retries a dead address for minutes: say so in seconds
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ForgeError(f"cannot reach the Ray head at {target} ({e.strerror or e}): start it with "
+                             f"`ray start --head --port={port}`, or fix --ray-address / RAY_ADDRESS") from None
     try:
         if target:
             ray.init(address=target, logging_level="ERROR", configure_logging=True)

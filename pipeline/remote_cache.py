@@ -451,13 +451,13 @@ class RemoteStore:
             referenced.add((key, rec["upload"]))
         removed_uploads = 0
         for (key, upload), mtime in self.uploads().items():
-            if (key, upload) not in referenced and now - mtime > older_than_s:
+            if (key, upload) not in referenced and (older_than_s <= 0 or now - mtime > older_than_s):
                 with self._errors(f"removing an unreferenced upload of {key[:16]} from"):
                     self._delete(self._upload_path(key, upload))
                 removed_uploads += 1
         removed_quarantined = 0
         for path, info in self._find("quarantine", detail=True).items():
-            if now - (_mtime(info) or now) > older_than_s:
+            if older_than_s <= 0 or now - (_mtime(info) or now) > older_than_s:
                 with self._errors("removing a quarantined record from"), contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
                 removed_quarantined += 1

@@ -132,8 +132,9 @@ class Shared:
 
 
 @contextlib.contextmanager
-def seaweedfs(d: Path):
-    """A SeaweedFS server with S3 on a free loopback port, data under ``d``; killed on exit."""
+def seaweedfs(d: Path, volume_mb: int = 64):
+    """A SeaweedFS server with S3 on a free loopback port, data under ``d``, volumes of ``volume_mb`` (as many as
+    the disk holds: each bucket takes volumes of its own); killed on exit."""
     d.mkdir(parents=True, exist_ok=True)
     weed = Path(sys.executable).parent / "weed"
     weed = str(weed) if weed.exists() else shutil.which("weed")
@@ -145,8 +146,8 @@ def seaweedfs(d: Path):
     p = {k: free_port() for k in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3",
                                   "s3_grpc")}
     cmd = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-           f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", "-master.volumeSizeLimitMB=64",
-           f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", "-volume.max=16",
+           f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", f"-master.volumeSizeLimitMB={volume_mb}",
+           f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", "-volume.max=0",
            "-volume.preStopSeconds=0", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
            "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
            f"-s3.config={d / 's3.json'}"]

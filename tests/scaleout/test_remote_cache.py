@@ -47,6 +47,10 @@ def test_second_machine_downloads_instead_of_rebuilding(shared):
     b.forge("build", fa)
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit"] * 3
 
+    b.forge("build", fa, "--force", "gate")      # --force replaces the shared entry too
+    assert [s["status"] for s in b.report("fa")["stages"]] == ["hit", "hit", "built"]
+    assert len(shared.keys(f"quarantine/{built['gate']['key']}")) == 1
+
     # ls and verify see the store; gc --keep keeps what a recipe's last build uses, anywhere
     ls = b.forge("cache", "ls").stdout
     assert shared.url in ls and all(s["key"][:16] in ls for s in built.values())
@@ -196,3 +200,14 @@ def test_real_recipe_source_stage_is_shared(shared):
     assert _stages(b.report("smollm2-135m-int8"))["source"]["status"] == "hit"
     assert built["key"] in b.local_keys()
     assert "0 corrupt entries" in b.forge("cache", "verify", real=True).stdout
+
+
+def test_unreachable_ray_head_is_a_clear_error(shared):
+    m = shared.machine("driver")
+    fa = shared.recipe("fa")
+    address = f"127.0.0.2:{free_port()}"
+    for cmd in ("plan", "build"):
+        p = m.forge(cmd, fa, "--executor", "ray", "--ray-address", address, check=1, timeout=60)
+        err = " ".join(p.stderr.split())
+        assert f"cannot reach the Ray head at {address}" in err and "ray start --head" in err, err
+        assert "Traceback" not in err

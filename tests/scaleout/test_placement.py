@@ -74,3 +74,17 @@ def test_store_paths():
     assert (s.url, s.bucket, s.protocol) == ("s3://bucket/some/prefix", "bucket", "s3")
     assert s.record_url(key) == f"s3://bucket/some/prefix/entries/ab/{key}.json"
     assert RemoteStore("az://container/p").protocol == "az" and RemoteStore("gcs://b").protocol == "gs"
+
+
+def test_local_builds_import_nothing_of_ray_or_the_object_store(tmp_path):
+    """`make engine` needs neither: a local plan (and so a local build's setup) never imports them."""
+    import os
+    import subprocess
+    import sys
+    code = ("import sys\nfrom pipeline import cli\nsys.argv = ['forge', 'plan', 'smollm2-135m-int8']\n"
+            "try:\n    cli.main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "print(sorted(m for m in ('ray', 's3fs', 'aiobotocore', 'gcsfs', 'adlfs') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, FORGE_CACHE=str(tmp_path / "cache"), FORGE_PROGRESS="0"))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "[]"

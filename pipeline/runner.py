@@ -289,7 +289,8 @@ class Runner:
                     if forced:
                         self.cache.discard(key, "replaced by forge build --force/--from")
                     entry = self.cache.commit(key, out, comps, stage_metrics)
-                    stage_metrics = entry.meta.get("metrics", stage_metrics)   # another machine's, if it came first
+                    if key in self.cache.notes:     # another machine's entry came first: its metrics go with it
+                        stage_metrics = entry.meta.get("metrics", stage_metrics)
             self.cache.record(self.recipe.name, s.name, key, comps)
         except (KeyboardInterrupt, _InputsCorrupt):
             raise

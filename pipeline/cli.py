@@ -32,11 +32,36 @@ err = Console(stderr=True)
 SetOpt = typer.Option(None, "--set", help="dotted override, e.g. --set quantize.calibration.samples=64 (repeatable)")
 HistoryOpt = typer.Option(None, "--history", help="run-history database (default: $FORGE_HISTORY, else "
                                                   "FORGE_HOME/history.sqlite)")
+ExecutorOpt = typer.Option("local", "--executor", help="where stages run: local (this machine) or ray (a Ray cluster; "
+                           "needs a shared FORGE_CACHE=s3://bucket/prefix)")
+RayAddressOpt = typer.Option(None, "--ray-address", help="the Ray cluster's head HOST:PORT (default $RAY_ADDRESS, "
+                             "else a Ray instance started on this machine)")
+OfflineOpt = typer.Option(False, "--cache-offline", help="use only the local cache under FORGE_HOME even when "
+                          "FORGE_CACHE names a shared store (warns: nothing is shared)")
 
 
 def _resolve(name: str, overrides: list[str] | None):
     from .recipe import resolve
     return resolve(name, overrides or [])
+
+
+def _open_cache(offline: bool):
+    """The cache FORGE_CACHE names (a shared store is probed now: RemoteError naming the URL and the fix)."""
+    from .cache import open_cache
+    from .env import cache_root, remote_cache_url
+    url = remote_cache_url()
+    if offline and url:
+        err.print(f"[yellow]warning: --cache-offline: only the local cache {escape(str(cache_root()))} is used; nothing "
+                  f"is read from or published to {escape(url)}, so other machines will not see what this run builds")
+    return open_cache(offline)
+
+
+def _check_executor(executor: str, offline: bool) -> None:
+    if executor not in ("local", "ray"):
+        raise UsageError(f"--executor {executor}: choose local or ray")
+    if executor == "ray" and offline:
+        raise UsageError("--executor ray with --cache-offline: the nodes of a Ray cluster exchange artifacts only "
+                         "through the shared cache; drop --cache-offline (or build with --executor local)")
 
 
 # ------------------------------------------------------------------ recipes
@@ -71,18 +96,21 @@ def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
 
 
 # ------------------------------------------------------------------ plan / build
-def _plan_table(runner, plans) -> Table:
+def _plan_table(runner, plans, where: bool = False) -> Table:
     t = Table(title=f"plan: {runner.recipe.name} [{runner.recipe.build.target}]")
     t.add_column("stage")
     t.add_column("status")
     t.add_column("key")
     t.add_column("hardware")
     t.add_column("why")
+    if where:
+        t.add_column("runs on")
     colors = {Status.HIT: "green", Status.MISS: "cyan", Status.CANNOT_RUN_HERE: "yellow", Status.BLOCKED: "yellow", Status.CORRUPT: "red"}
     hardware = _stage_hardware(runner)
     for p in plans:
-        t.add_row(p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12],
-                  escape(hardware.get(p.name, "")), escape(p.reason))
+        row = [p.name, f"[{colors.get(p.status, 'white')}]{p.status}", (p.key or "")[:12],
+               escape(hardware.get(p.name, "")), escape(p.reason)]
+        t.add_row(*row, *([escape(p.where)] if where else []))
     return t
 
 
@@ -94,19 +122,32 @@ def _stage_hardware(runner) -> dict[str, str]:
 @app.command()
 def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
          force: Optional[List[str]] = typer.Option(None, "--force"),
-         as_json: bool = typer.Option(False, "--json")):
-    """Show every stage as hit / miss / cannot-run-here, and why, without running anything."""
+         as_json: bool = typer.Option(False, "--json"),
+         executor: str = ExecutorOpt, ray_address: Optional[str] = RayAddressOpt, cache_offline: bool = OfflineOpt):
+    """Show every stage as hit / miss / cannot-run-here, and why, without running anything (with --executor ray:
+    which nodes of the cluster could run each stage)."""
     from .runner import Runner
+    _check_executor(executor, cache_offline)
     r = _resolve(recipe, set_)
-    runner = Runner(r)
+    runner = Runner(r, _open_cache(cache_offline))
     problems = runner.plan_problems()
-    plans = runner.plan(set(force or []))
+    placement = None
+    if executor == "ray":
+        from .ray_executor import SHARED_CACHE_NEEDED, cluster_nodes, connect, place
+        if runner.cache.remote is None:
+            raise UsageError(SHARED_CACHE_NEEDED)
+        joined = connect(ray_address)
+        nodes = cluster_nodes()
+        err.print(f"placing stages on {escape(joined)}: {len(nodes)} node{'s' if len(nodes) != 1 else ''} "
+                  f"({escape(', '.join(n.label() for n in nodes))})")
+        placement = lambda s: place(s, r, nodes)    # noqa: E731
+    plans = runner.plan(set(force or []), placement)
     if as_json:
         console.print_json(json.dumps({"recipe": r.name, "hash": r.hash, "problems": problems, "stages": [
             {"name": p.name, "status": p.status, "key": p.key, "hardware": _stage_hardware(runner)[p.name],
-             "reason": p.reason, "changed": p.changed} for p in plans]}))
+             "reason": p.reason, "changed": p.changed, **({"where": p.where} if placement else {})} for p in plans]}))
     else:
-        console.print(_plan_table(runner, plans))
+        console.print(_plan_table(runner, plans, where=placement is not None))
         if not problems:
             _print_memory_brief(runner)
     if problems:
@@ -128,7 +169,7 @@ def _print_memory_brief(runner) -> None:
 
 def _link(dest: Path, target: str | None) -> None:
     from .env import atomic_symlink
-    if target:
+    if target and Path(target).is_dir():    # --executor ray: the entry may lie only in the shared store
         atomic_symlink(dest, target)
 
 
@@ -140,29 +181,39 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
           force: Optional[List[str]] = typer.Option(None, "--force", help="rebuild this stage even if cached"),
           keep_going: bool = typer.Option(False, "--keep-going", help="build the remaining recipes after a failure"),
           report_dir: Path = typer.Option(Path("out"), "--report-dir", help="where report.json/junit.xml go"),
-          history_db: Optional[Path] = HistoryOpt):
+          history_db: Optional[Path] = HistoryOpt,
+          executor: str = ExecutorOpt, ray_address: Optional[str] = RayAddressOpt, cache_offline: bool = OfflineOpt):
     """Build recipes: run every stage that is not cached, then validate and package; each night is recorded in
     the run history and checked against the recipe's regression rules (validate.regression)."""
     from .history import Nightly
-    from .report import (build_report, invalid_report, overall_status, report_dir_name, write_reports,
-                         write_summary)
+    from .report import invalid_report, report_dir_name, write_reports, write_summary
     from .runner import Runner
+    _check_executor(executor, cache_offline)
     nightly = Nightly(history_db, warn=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}"))
     statuses: dict[str, str] = {}
+    opened: dict = {}
+
+    def cache():
+        if "cache" not in opened:
+            opened["cache"] = _open_cache(cache_offline)
+        return opened["cache"]
 
     def on_stage(res):
         note = f" — {escape(res.message)}" if res.message else ""
         log = f" (log: {escape(res.log)})" if res.log else ""
         err.print(f"  {res.name}: {res.status}{note}{log}")
 
-    for name in recipes:
+    if executor == "ray":
+        _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ray_address, cache, statuses,
+                      nightly)
+    for name in recipes if executor == "local" else []:
         t0 = time.perf_counter()
         shown = name if len(name) <= 80 else name[:77] + "..."
         try:
             r = _resolve(name, set_)
-            runner = Runner(r, log_dir=report_dir / r.name / "logs")
+            runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
             runner.check_stage_args(from_, until, set(force or []))
-            err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {runner.cache.root})")
+            err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {escape(runner.cache.location)})")
             results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
         except UsageError as e:
             err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
@@ -177,21 +228,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             if not keep_going:
                 break
             continue
-        results += nightly.check(r, results)   # regression rules vs the last good night (never cached)
-        report = build_report(r, results, time.perf_counter() - t0)
-        out = report_dir / r.name
-        nightly.record(r, report, out / "report.json")
-        _write_safely(lambda: write_reports(report, out, console))
-        by_name = {x.name: x for x in results}
-        if "build" in by_name:
-            _write_safely(lambda: _link(out / "engine", by_name["build"].payload))
-        if "package" in by_name:
-            _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
-        statuses[r.name] = overall_status(results)
-        for x in results:
-            if x.status == Status.CANNOT_RUN_HERE:
-                err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
-                break
+        _finish_recipe(r, results, time.perf_counter() - t0, report_dir, statuses, nightly)
         if statuses[r.name] == Status.FAILED and not keep_going:
             break
     if len(recipes) > 1:
@@ -201,6 +238,81 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             t.add_row(escape(k), v)
         console.print(t)
     raise typer.Exit(exit_code(statuses.values()))
+
+
+def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, nightly) -> None:
+    """Regression rules, reports, history, links and the outcome of one built recipe (either executor)."""
+    from .report import build_report, overall_status, write_reports
+    results += nightly.check(r, results)   # regression rules vs the last good night (never cached)
+    report = build_report(r, results, wall_s)
+    out = report_dir / r.name
+    nightly.record(r, report, out / "report.json")
+    _write_safely(lambda: write_reports(report, out, console))
+    by_name = {x.name: x for x in results}
+    if "build" in by_name:
+        _write_safely(lambda: _link(out / "engine", by_name["build"].payload))
+    if "package" in by_name:
+        _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
+    statuses[r.name] = overall_status(results)
+    for x in results:
+        if x.status == Status.CANNOT_RUN_HERE:
+            err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
+            break
+
+
+def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ray_address, cache, statuses,
+                      nightly) -> None:
+    """--executor ray: resolve and check every recipe here, run their stages on the cluster at once, then write
+    each recipe's reports as the local executor does."""
+    from .ray_executor import SHARED_CACHE_NEEDED, RayBuild, connect
+    from .report import invalid_report, report_dir_name, write_reports
+    from .runner import Runner
+    runners, forced = [], {}
+    for name in recipes:
+        shown = name if len(name) <= 80 else name[:77] + "..."
+        try:
+            r = _resolve(name, set_)
+            runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
+            runner.check_stage_args(from_, until, set(force or []))
+            problems = runner.plan_problems()
+            if problems:
+                raise RecipeError(problems)
+        except UsageError as e:
+            err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
+            statuses[shown] = Status.INVALID
+            _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
+            if not keep_going:
+                return
+            continue
+        except ForgeError as e:
+            err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
+            statuses[shown] = Status.FAILED
+            if not keep_going:
+                return
+            continue
+        names = runner.stage_names()
+        forced[r.name] = set(force or []) | (set(names[names.index(from_):]) if from_ else set())
+        runners.append(runner)
+    if not runners:
+        return
+    if runners[0].cache.remote is None:
+        raise UsageError(SHARED_CACHE_NEEDED)
+    joined = connect(ray_address)
+    build = RayBuild(runners, forced, until, keep_going,
+                     on_stage=lambda recipe, res: err.print(
+                         f"  {recipe}/{res.name}: {res.status}"
+                         + (f" on {res.node.get('ip')} ({str(res.node.get('id', ''))[:8]})" if res.node else "")
+                         + (f" — {escape(res.message)}" if res.message else "")
+                         + (f" (log: {escape(res.log)})" if res.log else "")))
+    err.print(f"[bold]forge build --executor ray[/]: {len(runners)} recipe{'s' if len(runners) != 1 else ''} on "
+              f"{escape(joined)} ({len(build.nodes)} node{'s' if len(build.nodes) != 1 else ''}), "
+              f"cache {escape(build.cache.location)}")
+    for runner, (results, wall) in zip(runners, build.run()):
+        if results is None:
+            err.print(f"[yellow]{runner.recipe.name}: not finished: a stage of another recipe failed and nothing new "
+                      f"starts after a failure without --keep-going")
+            continue
+        _finish_recipe(runner.recipe, results, wall, report_dir, statuses, nightly)
 
 
 def _write_safely(write) -> None:
@@ -326,11 +438,11 @@ def _night(h, ref: str):
 
 # ------------------------------------------------------------------ cache
 @cache_app.command("ls")
-def cache_ls():
-    """Entries in the artifact cache."""
-    from .cache import ArtifactCache, BadEntry
-    c = ArtifactCache()
-    t = Table("key", "stage", "created", "MB", title=str(c.root))
+def cache_ls(cache_offline: bool = OfflineOpt):
+    """Entries in the artifact cache (with a shared FORGE_CACHE: the local layer, then the shared store)."""
+    from .cache import BadEntry
+    c = _open_cache(cache_offline)
+    t = Table("key", "stage", "created", "MB", title=str(c.root) + (" (local layer)" if c.remote else ""))
     for e in c.entries():
         try:
             m = e.meta
@@ -343,40 +455,68 @@ def cache_ls():
             size = "?"
         t.add_row(e.key[:16], stage, escape(created), size)
     console.print(t)
+    if c.remote is not None:
+        t = Table("key", "stage", "created", "MB", "published by", title=c.remote.url)
+        for key, rec, problem in c.remote.records():
+            if rec is None:
+                t.add_row(escape(key[:16]), f"[red]{escape(problem)}", "", "", "")
+                continue
+            size = sum(int(f.get("size", 0)) for f in rec["files"].values()) / 2**20
+            t.add_row(key[:16], escape(str(rec.get("components", {}).get("stage", "?"))), escape(str(rec.get("created", ""))),
+                      f"{size:.1f}", escape(str((rec.get("publisher") or {}).get("host", ""))))
+        console.print(t)
 
 
 @cache_app.command("verify")
-def cache_verify():
-    """Re-hash every entry (no stat cache); non-zero exit if any is corrupt."""
-    from .cache import ArtifactCache
-    bad = ArtifactCache().verify_all()
+def cache_verify(cache_offline: bool = OfflineOpt):
+    """Re-hash every entry (no stat cache; with a shared FORGE_CACHE also every object in the store); non-zero
+    exit if any is corrupt. Changes nothing."""
+    c = _open_cache(cache_offline)
+    bad = c.verify_all()
     for k, why in bad:
         err.print(f"[red]{escape(k)}: {escape(why)}")
+    if c.remote is not None:
+        remote_bad = c.remote.verify_all()
+        for k, why in remote_bad:
+            err.print(f"[red]{escape(c.remote.url)} {escape(k)}: {escape(why)}")
+        bad += remote_bad
     console.print(f"{len(bad)} corrupt entr{'y' if len(bad) == 1 else 'ies'}")
     raise typer.Exit(EXIT_FAILED if bad else 0)
 
 
 @cache_app.command("gc")
-def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", help="keep only entries of these recipes' last builds")):
-    """Remove temp dirs of dead runs; with --keep, also entries no listed recipe's last build uses."""
-    from .cache import ArtifactCache
-    c = ArtifactCache()
+def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", help="keep only entries of these recipes' last builds"),
+             older_than: Optional[float] = typer.Option(None, "--older-than", help="hours after which temp dirs (local; "
+                                                        "default 1) and uploads no entry record names (shared store; "
+                                                        "default 24) are removed"),
+             cache_offline: bool = OfflineOpt):
+    """Remove temp dirs of dead runs (and, in a shared store, uploads of killed or losing publishers); with --keep,
+    also entries no listed recipe's last build uses (in the store: the last build any machine recorded)."""
+    from .remote_cache import ORPHAN_GRACE_S
+    c = _open_cache(cache_offline)
+    if older_than is not None and not (older_than >= 0):
+        raise UsageError(f"--older-than {older_than}: give hours, 0 or more")
+    remote_index = c.remote.index_recipes() if c.remote is not None else {}
     keep = None
     if keep_recipes:
         keep = set()
         for name in keep_recipes:
             index = c.root / "index" / name
             files = sorted(index.glob("*.json")) if "/" not in name and index.is_dir() else []
-            if not files:
-                known = sorted(p.name for p in (c.root / "index").iterdir() if p.is_dir())
-                raise UsageError(f"--keep {name}: no build of that recipe is recorded in {c.root} (nothing would be "
+            if not files and name not in remote_index:
+                known = sorted({p.name for p in (c.root / "index").iterdir() if p.is_dir()} | set(remote_index))
+                raise UsageError(f"--keep {name}: no build of that recipe is recorded in {c.location} (nothing would be "
                                  f"kept for it); recipes with builds: {', '.join(known) or 'none'}")
             for f in files:
                 try:
                     keep.add(str(json.loads(f.read_text())["key"]))
                 except (OSError, ValueError, KeyError, TypeError):
                     err.print(f"[yellow]skipping unreadable index record {escape(str(f))}")
-    console.print(c.gc(keep))
+            keep.update(remote_index.get(name, []))
+    console.print(c.gc(keep, **({"older_than_s": older_than * 3600} if older_than is not None else {})))
+    if c.remote is not None:
+        grace = older_than * 3600 if older_than is not None else ORPHAN_GRACE_S
+        console.print({c.remote.url: c.remote.gc(keep, older_than_s=grace)})
 
 
 # ------------------------------------------------------------------ data
@@ -500,12 +640,12 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
 def _package_of(recipe: str, set_) -> Path:
     from .runner import Runner
     r = _resolve(recipe, set_)
-    plans = {p.name: p for p in Runner(r).plan()}
+    runner = Runner(r)
+    plans = {p.name: p for p in runner.plan()}
     p = plans.get("package")
     if p is None or p.status != Status.HIT:
         raise ForgeError(f"recipe {r.name} has no packaged repository in the cache: run `forge build {r.name}` first")
-    from .cache import ArtifactCache
-    entry = ArtifactCache().get(p.key, verify=True, use_stat_cache=False)   # every byte: it leaves the cache
+    entry = runner.cache.get(p.key, verify=True, use_stat_cache=False)   # every byte: it leaves the cache
     if entry is None:
         raise ForgeError(f"the packaged repository of {r.name} changed on disk since it was built (set aside in the "
                          f"cache's tmp/): rebuild it with `forge build {r.name}`")

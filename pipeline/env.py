@@ -29,10 +29,21 @@ def forge_home() -> Path:
     return home.absolute()
 
 
-def cache_root() -> Path:
-    """The artifact cache: ``$FORGE_CACHE`` (an empty value counts as unset), else ``forge_home()/artifacts``."""
+def remote_cache_url() -> str | None:
+    """``$FORGE_CACHE`` when it is an object-store URL (``s3://bucket/prefix``, ``gs://...``, ``az://...``): the
+    shared cache many machines build into; None when the cache is a local directory."""
     raw = os.environ.get("FORGE_CACHE", "").strip()
-    return Path(raw).expanduser().absolute() if raw else forge_home() / "artifacts"
+    return raw if "://" in raw else None
+
+
+def cache_root() -> Path:
+    """The local artifact cache: ``$FORGE_CACHE`` (an empty value counts as unset), else ``forge_home()/artifacts``.
+    With a remote ``FORGE_CACHE`` (:func:`remote_cache_url`) it is ``forge_home()/artifacts``, the read-through
+    layer in front of the shared store."""
+    raw = os.environ.get("FORGE_CACHE", "").strip()
+    if not raw or "://" in raw:
+        return forge_home() / "artifacts"
+    return Path(raw).expanduser().absolute()
 
 
 def history_db() -> Path:

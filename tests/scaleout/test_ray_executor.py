@@ -1,0 +1,137 @@
+"""forge build/plan --executor ray on a local two-node Ray cluster (head 127.0.0.2, a second node 127.0.0.3 that
+advertises a fake ``sm_90``), artifacts only through the shared cache on a real S3 server (SeaweedFS)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from servers import HERE, REPO, ray_cluster  # noqa: E402
+
+WORKER_IP = "127.0.0.3"
+
+
+@pytest.fixture(scope="module")
+def cluster(s3_server, tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}
+    env.update(s3_server.env(), PYTHONPATH=f"{REPO}:{HERE}", FORGE_PROGRESS="0")
+    try:
+        with ray_cluster(tmp_path_factory.mktemp("ray"), env, {"sm_90": 1}) as c:
+            yield c
+    except RuntimeError as e:
+        pytest.fail(str(e))
+
+
+def _ray(cluster, *args):
+    return (*args, "--executor", "ray", "--ray-address", cluster.address)
+
+
+def _stages(report: dict) -> dict:
+    return {s["name"]: s for s in report["stages"]}
+
+
+def test_plan_says_where_each_stage_would_run(cluster, shared):
+    m = shared.machine("driver")
+    fsm = shared.recipe("fsm", target="tensorrt")
+    f80 = shared.recipe("f80", target="tensorrt", sm=80)
+    plan = {s["name"]: s for s in json.loads(m.forge(*_ray(cluster, "plan", fsm, "--json")).stdout)["stages"]}
+    assert {n: s["status"] for n, s in plan.items()} == dict.fromkeys(("produce", "transform", "gate", "engine"), "miss")
+    assert plan["produce"]["where"] == "CPU 1 on any of 2 nodes"
+    assert plan["engine"]["where"] == f"CPU 1, sm_90 1 on {WORKER_IP} ({cluster.nodes[WORKER_IP][:8]})"
+
+    p = m.forge(*_ray(cluster, "plan", f80))      # no node has sm_80: said plainly, with the command that fixes it
+    text = " ".join(p.stdout.split())
+    assert "cannot-run-here" in text and "no node in the Ray cluster has CPU 1, sm_80 1" in text
+    assert "ray start --address=HEAD:PORT --resources='{\"sm_80\": 1}'" in text
+
+    # a real TensorRT-LLM recipe (tp 2): CPU stages anywhere; the engine build and evaluation need 2 GPUs of the
+    # architecture the recipe names, and no node here has a GPU
+    def real_plan(*extra):
+        out = m.forge(*_ray(cluster, "plan", "qwen7b-int8", "--json", *extra), real=True).stdout
+        return {s["name"]: s for s in json.loads(out)["stages"]}
+    plan = real_plan()
+    assert "build.tensorrt_llm.gpu_sm is not set" in plan["build"]["reason"]
+    plan = real_plan("--set", "build.tensorrt_llm.gpu_sm=90")
+    assert plan["quantize"]["status"] == "miss" and plan["quantize"]["where"] == "CPU 1 on any of 2 nodes"
+    for stage in ("build", "evaluate"):
+        assert plan[stage]["status"] == "cannot-run-here" and plan[stage]["where"] == "nowhere"
+        assert plan[stage]["reason"].startswith("no node in the Ray cluster has CPU 1, GPU 2, sm_90 2")
+        assert "--num-gpus=2 --resources='{\"sm_90\": 2}'" in plan[stage]["reason"]
+
+
+def test_two_recipes_build_in_parallel_and_the_sm90_stage_runs_on_its_node(cluster, shared):
+    m = shared.machine("driver")
+    fa = shared.recipe("fa", sleep=3, tag="a")
+    fsm = shared.recipe("fsm", target="tensorrt", sleep=3, tag="b")
+    f80 = shared.recipe("f80", target="tensorrt", sm=80, tag="c")
+    p = m.forge(*_ray(cluster, "build", fa, fsm, f80, "--keep-going"), check=3)   # f80: incomplete
+    assert json.loads((m.cwd / "out" / "summary.json").read_text()) == {
+        "fa": "passed", "fsm": "passed", "f80": "incomplete"}
+    ra, rs, r80 = (_stages(m.report(n)) for n in ("fa", "fsm", "f80"))
+    for n in ("fa", "fsm", "f80"):
+        assert (m.cwd / "out" / n / "junit.xml").is_file() and (m.cwd / "out" / n / "summary.txt").is_file()
+
+    # the two slow transforms ran at the same time, one on each node (one CPU each)
+    ta, ts = ra["transform"]["metrics"], rs["transform"]["metrics"]
+    assert max(ta["started"], ts["started"]) < min(ta["ended"], ts["ended"]), (ta, ts)
+    assert {ra["transform"]["node"]["ip"], rs["transform"]["node"]["ip"]} == {"127.0.0.2", WORKER_IP}
+
+    # produce has one key in all three recipes: built once
+    produce = [r["produce"] for r in (ra, rs, r80)]
+    assert len({x["key"] for x in produce}) == 1
+    assert sorted(x["status"] for x in produce) == ["built", "hit", "hit"]
+
+    # the sm90 stage ran on the node that advertises sm_90 (the report says which; so does the stage itself)
+    assert rs["engine"]["status"] == "built"
+    assert rs["engine"]["node"]["id"] == cluster.nodes[WORKER_IP] == rs["engine"]["metrics"]["node_id"]
+    assert r80["engine"]["status"] == "cannot-run-here" and "sm_80" in r80["engine"]["message"]
+    assert "no node in the Ray cluster" in " ".join(p.stderr.split())
+
+    # everything went through the bucket: a machine that never built anything hits every stage there
+    plan = json.loads(shared.machine("other").forge("plan", fsm, "--json").stdout)["stages"]
+    assert [s["status"] for s in plan] == ["hit"] * 4
+
+
+def test_killed_worker_is_retried_and_the_build_matches_a_local_one(cluster, shared, tmp_path):
+    mark = tmp_path / "attempt-1-pid"
+    fk = shared.recipe("fk", samples=5, crash_once=str(mark))
+    m = shared.machine("driver")
+    p = m.forge(*_ray(cluster, "build", fk), wait=False)
+    t0 = time.time()
+    while not mark.exists() or not mark.read_text():
+        assert p.poll() is None and time.time() - t0 < 150, p.communicate()
+        time.sleep(0.2)
+    killed = int(mark.read_text())
+    os.kill(killed, signal.SIGKILL)         # the Ray worker running the transform stage, mid-task
+    out, err = p.communicate(timeout=180)
+    assert p.returncode == 0, err
+    ray_report = m.report("fk")
+    assert [s["status"] for s in ray_report["stages"]] == ["built"] * 3
+    assert _stages(ray_report)["transform"]["metrics"]["pid"] != killed       # a second attempt did it
+
+    local = shared.machine("local")
+    local.env["FORGE_CACHE"] = str(tmp_path / "local-cache")                  # this machine only, no Ray
+    local.forge("build", fk)
+    local_report = local.report("fk")
+    assert [s["key"] for s in local_report["stages"]] == [s["key"] for s in ray_report["stages"]]
+    from pipeline.cache import ArtifactCache
+    from pipeline.remote_cache import RemoteStore
+    store, here = RemoteStore(shared.url), ArtifactCache(tmp_path / "local-cache")
+    os.environ.update(shared.s3.env())
+    try:
+        for s in local_report["stages"]:
+            assert store.record(s["key"])["payload_digest"] == here.get(s["key"]).meta["payload_digest"]
+    finally:
+        for k in shared.s3.env():
+            os.environ.pop(k, None)
+    # report.json is written as the local executor writes it: the same fields, the node added
+    assert set(ray_report) == set(local_report)
+    assert [set(s) for s in ray_report["stages"]] == [set(s) for s in local_report["stages"]]
+    assert all(s["node"] == {} for s in local_report["stages"]) and all(s["node"]["ip"] for s in ray_report["stages"])

@@ -1,16 +1,12 @@
 """Reference numerics with one rank per process (issue 18): torchrun, gloo on CPU / NCCL on GPUs.
 
 Each run is ``torchrun --standalone`` (its rendezvous takes a free port) in its own session, killed as a group on
-timeout or when done, so no worker outlives a test. Workers use one thread each (2-core machine).
+timeout or when done (``distributed.launch``), so no worker outlives a test. One thread per worker (2-core machine).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,32 +15,12 @@ import torch.distributed as dist
 
 from pipeline.trtllm import distributed as D
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 180
 
 
 def torchrun(ckpt: Path, nproc: int, out: Path, *extra: str, device: str = "cpu") -> dict:
-    """Run ``python -m pipeline.trtllm.distributed`` under torchrun; returns rank 0's result.json."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "pipeline.trtllm.distributed", str(ckpt), "--out", str(out), "--device", device,
-           "--timeout", "120", *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", FORGE_PROGRESS="0",
-               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                         start_new_session=True)
-    try:
-        so, se = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        so, se = p.communicate()
-        pytest.fail(f"torchrun ran past {TIMEOUT_S} s:\n{se[-3000:]}")
-    finally:
-        try:                                  # torchrun and its workers share the session: nothing left behind
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert p.returncode == 0, f"{' '.join(cmd)}\n{so[-2000:]}\n{se[-4000:]}"
-    return json.loads((out / "result.json").read_text())
+    """``python -m pipeline.trtllm.distributed`` under torchrun, one thread per rank; rank 0's result.json."""
+    return D.launch(ckpt, nproc, out, *extra, device=device, timeout_s=TIMEOUT_S)
 
 
 def _check_ranks(res: dict, tp: int, pp: int, backend: str):
@@ -87,6 +63,60 @@ def test_tp2_pp2_four_processes_match_single_process(qwen_fp16_tp2_pp2, tmp_path
     assert c["max_abs"] <= 1e-3 and c["top1_agreement"] == 1.0 and c["logits_cosine"] > 0.999999, c
     b = res["allreduce_bench"]
     assert b["ranks"] == 2 and b["shape"] == [1, 24, 64] and b["median_s"] > 0
+
+
+@pytest.mark.parametrize("case", ["int8_sq kv int8 tp 2", "fp16 tp 2 x pp 2"])
+def test_forge_memory_weights_per_rank_match_the_checkpoint_files(request, case):
+    """`forge memory`'s per-rank weights against the bytes of each rank{N}.safetensors ModelOpt wrote: the decoder
+    linears and the (parallel) embedding exactly, the whole within 0.1 %; replicating the embedding (the planner's
+    old assumption) would be (tp - 1) / tp of the table too much."""
+    from pipeline.memory import plan_memory, rank_weight_bytes
+    from pipeline.modelinfo import ModelInfo
+    if case.startswith("int8_sq"):
+        ckpt, quant, kv, tp, pp = request.getfixturevalue("qwen_sq_tp2"), "int8_sq", "int8", 2, 1
+    else:
+        ckpt, quant, kv, tp, pp = request.getfixturevalue("qwen_fp16_tp2_pp2")[2], "none", None, 2, 2
+    cfg = json.loads((ckpt / "config.json").read_text())
+    assert cfg["use_parallel_embedding"] is True and cfg["embedding_sharding_dim"] == 0
+    info = ModelInfo.from_dir(ckpt.parent / "hf")
+    plan = plan_memory(info, quant_algo=quant, kv_cache=kv, tp=tp, pp=pp, max_batch_size=1, max_seq_len=64,
+                       parallel_embedding=True)
+    ranks = [rank_weight_bytes(ckpt, r) for r in range(tp * pp)]
+    for m in ranks:
+        assert m["decoder linears"] == plan.weights["decoder linears"]["bytes"]
+        if "embedding" in m:
+            assert m["embedding"] == plan.weights.get("embedding", {}).get("bytes", m["embedding"])
+    worst = max(sum(m.values()) for m in ranks)
+    assert abs(plan.weights_bytes - worst) <= 1e-3 * worst, (plan.weights, ranks)
+    replicated = plan_memory(info, quant_algo=quant, kv_cache=kv, tp=tp, pp=pp, max_batch_size=1, max_seq_len=64)
+    if pp == 1:
+        assert replicated.weights_bytes - plan.weights_bytes == info.vocab_size * info.hidden_size * 2 - \
+            ranks[0]["embedding"]
+
+
+def test_tp_memory_script_on_cpu(tmp_path):
+    """scripts/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
+    plan beside it. On CPU there is no GPU memory to report; the rank files must match the plan's weights."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("tp_memory", Path(__file__).parents[2] / "scripts/tp_memory.py")
+    tpm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tpm)
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 301,
+                               "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                               "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}))
+    assert tpm.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--config", str(cfg),
+                     "--tp", "2", "--samples", "2", "--seq-len", "16", "--device", "cpu", "--compare"]) == 0
+    res = json.loads((tmp_path / "out/tp_memory.json").read_text())
+    (run,) = res["runs"]
+    assert run["tp"] == 2 and run["backend"] == "gloo" and run["compare"]["max_abs"] == 0.0
+    for r in run["ranks"]:
+        assert abs(r["plan_weights_vs_rank_file"] - 1) < 1e-3, r
+        assert r["resident_gpu_bytes"] is None and r["peak_gpu_bytes"] is None
+    assert run["plan"]["args"]["tp"] == 2 and run["plan"]["args"]["max_batch_size"] == 2
+    md = (tmp_path / "out/tp_memory.md").read_text()
+    assert md.count("\n| 2 | ") == 2
 
 
 def test_without_torchrun_exit_2_with_the_launch_line(capsys, monkeypatch, tmp_path):

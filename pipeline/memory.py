@@ -395,7 +395,20 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
 
 
 _DECODER_LINEAR = re.compile(r"transformer\.layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc|gate|proj))\.weight$")
-_ST_BYTES = {"I8": 1, "U8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
+ST_BYTES = {"I8": 1, "U8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
+
+
+def weight_part(name: str) -> str:
+    """The :attr:`MemoryPlan.weights` part a TensorRT-LLM checkpoint tensor counts in."""
+    if "vocab_embedding" in name:
+        return "embedding"
+    if name.startswith("lm_head") or "ln_f" in name:         # the plan counts ln_f with lm_head
+        return "lm_head"
+    if _DECODER_LINEAR.search(name):
+        return "decoder linears"
+    if "layernorm" in name or name.endswith(".bias"):
+        return "norms/bias"
+    return "quant scales"                                     # weight / activation / prequant / kv-cache scales
 
 
 def rank_weight_bytes(ckpt_dir, rank: int) -> dict[str, int]:
@@ -409,18 +422,8 @@ def rank_weight_bytes(ckpt_dir, rank: int) -> dict[str, int]:
     with safe_open(str(Path(ckpt_dir) / f"rank{rank}.safetensors"), framework="pt") as f:
         for name in f.keys():
             sl = f.get_slice(name)
-            nbytes = math.prod(sl.get_shape()) * _ST_BYTES[sl.get_dtype()]
-            if "vocab_embedding" in name:
-                part = "embedding"
-            elif name.startswith("lm_head") or "ln_f" in name:     # the plan counts ln_f with lm_head
-                part = "lm_head"
-            elif _DECODER_LINEAR.search(name):
-                part = "decoder linears"
-            elif "layernorm" in name or name.endswith(".bias"):
-                part = "norms/bias"
-            else:                                                     # weight / activation / prequant / kv scales
-                part = "quant scales"
-            parts[part] = parts.get(part, 0) + nbytes
+            part = weight_part(name)
+            parts[part] = parts.get(part, 0) + math.prod(sl.get_shape()) * ST_BYTES[sl.get_dtype()]
     return parts
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import sys
 import time
@@ -90,6 +91,33 @@ def one_tp(args, hf_cfg: dict, tp: int) -> dict:
             "ranks": rows}
 
 
+def plan_only(hf_cfg: dict, tp: int, layers: int | None, batch: int, seq_len: int) -> dict:
+    """No GPU, no files: each rank's bytes by part from the contract's tensor list (the dtypes the synthetic
+    checkpoint uses) next to the plan's weights. At full depth this is what step 1 would write."""
+    from reference_memory import synthetic_config, synthetic_dtype
+
+    from pipeline.memory import ST_BYTES, plan_memory, weight_part
+    from pipeline.modelinfo import ModelInfo
+    from pipeline.trtllm.contract import expected_tensors
+
+    cfg = synthetic_config(hf_cfg, tp=tp, layers=layers)
+    info = ModelInfo.from_hf_config(dict(hf_cfg, num_hidden_layers=cfg["num_hidden_layers"]))
+    plan = plan_memory(info, quant_algo="int8_sq", kv_cache="int8", dtype="float16", tp=tp, pp=1,
+                       max_batch_size=batch, max_seq_len=seq_len, parallel_embedding=True)
+    ranks = []
+    for rank in range(tp):
+        parts: dict[str, int] = {}
+        for name, (shape, dtypes, _rule, required) in expected_tensors(cfg, rank).items():
+            if required:
+                part = weight_part(name)
+                parts[part] = parts.get(part, 0) + math.prod(shape) * ST_BYTES[synthetic_dtype(name, dtypes)]
+        total = sum(parts.values())
+        ranks.append({"rank": rank, "contract_bytes": total, "by_part": parts,
+                      "plan_weights_vs_contract": _ratio(plan.weights_bytes, total)})
+    return {"tp": tp, "layers": cfg["num_hidden_layers"], "plan_weights": plan.weights,
+            "plan_weights_bytes": plan.weights_bytes, "plan_total_bytes": plan.total_bytes, "ranks": ranks}
+
+
 def markdown(result: dict) -> str:
     gb = lambda b: "-" if b is None else f"{b / 1e6:,.2f}"           # noqa: E731
     out = ["| tp | rank | device | rank file weights MB | plan weights MB | resident GPU MB | plan decoder MB | "
@@ -118,10 +146,21 @@ def main(argv=None) -> int:
     ap.add_argument("--compare", action="store_true", help="also the single-process reference on rank 0")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--plan-only", action="store_true",
+                    help="no checkpoint, no run: the contract's per-rank bytes vs the plan (runs anywhere)")
     args = ap.parse_args(argv)
+    hf_cfg = json.loads(Path(args.config).read_text())
+    if args.plan_only:
+        res = [plan_only(hf_cfg, tp, args.layers, args.batch, args.seq_len) for tp in args.tp]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "tp_memory_plan_only.json").write_text(json.dumps(res, indent=2))
+        for r in res:
+            print(f"tp {r['tp']} ({r['layers']} layers): plan weights {r['plan_weights_bytes']:,} B per rank; "
+                  f"contract " + ", ".join(f"rank {x['rank']} {x['contract_bytes']:,} B "
+                                           f"(plan/contract {x['plan_weights_vs_contract']})" for x in r["ranks"]))
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.work).mkdir(parents=True, exist_ok=True)
-    hf_cfg = json.loads(Path(args.config).read_text())
     result = {"label": "checkpoint reference numerics, one rank per process: memory vs forge memory",
               "config": args.config, "runs": []}
     try:

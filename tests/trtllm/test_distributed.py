@@ -94,13 +94,30 @@ def test_forge_memory_weights_per_rank_match_the_checkpoint_files(request, case)
             ranks[0]["embedding"]
 
 
-def test_tp_memory_script_on_cpu(tmp_path):
-    """scripts/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
-    plan beside it. On CPU there is no GPU memory to report; the rank files must match the plan's weights."""
+def _tp_memory_script():
     import importlib.util
     spec = importlib.util.spec_from_file_location("tp_memory", Path(__file__).parents[2] / "scripts/tp_memory.py")
     tpm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tpm)
+    return tpm
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_forge_memory_weights_at_qwen7b_shape_match_the_contract(tp):
+    """Qwen2.5-7B shape, int8_sq + INT8 KV: the plan's per-rank weights vs the bytes of the tensors the contract
+    puts in each rank file (no file written). The plan leaves out only the 4-byte KV-cache scale per layer."""
+    tpm = _tp_memory_script()
+    res = tpm.plan_only(json.loads(Path(tpm.QWEN7B).read_text()), tp, None, 8, 4096)
+    assert res["layers"] == 28
+    for r in res["ranks"]:
+        assert r["contract_bytes"] - res["plan_weights_bytes"] == 28 * 4, r
+        assert r["by_part"]["embedding"] == -(-152064 // tp) * 3584 * 2
+
+
+def test_tp_memory_script_on_cpu(tmp_path):
+    """scripts/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
+    plan beside it. On CPU there is no GPU memory to report; the rank files must match the plan's weights."""
+    tpm = _tp_memory_script()
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 301,
                                "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,

@@ -556,10 +556,19 @@ def data_record(sets: Optional[List[str]] = typer.Argument(None)):
 
 # ------------------------------------------------------------------ environment
 @app.command()
-def doctor(as_json: bool = typer.Option(False, "--json")):
-    """Versions, GPUs (NVML) and problems with their fixes."""
+def doctor(as_json: bool = typer.Option(False, "--json"),
+           recipe: Optional[str] = typer.Option(None, "--recipe", help="check where this recipe's TP/PP ranks land "
+                                                "on this host's GPUs (links, NUMA, numactl per rank)"),
+           set_: Optional[List[str]] = SetOpt):
+    """Versions, GPUs (NVML), GPU-to-GPU topology and problems with their fixes."""
     from .doctor import render_doctor, run_doctor
-    rep = run_doctor()
+    tp = pp = None
+    if recipe is not None:
+        b = _resolve(recipe, set_).build.tensorrt_llm
+        tp, pp = b.tp, b.pp
+    elif set_:
+        raise UsageError("--set needs --recipe (it overrides the recipe's keys)")
+    rep = run_doctor(tp=tp, pp=pp or 1, recipe=recipe)
     if as_json:
         print(json.dumps(rep, indent=2, default=str))
     else:

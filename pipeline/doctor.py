@@ -2,11 +2,15 @@
 
 ``run_doctor()`` returns plain data::
 
-    {"versions": {...}, "host": {...}, "gpus": [{...}], "findings": [{"severity", "message", "fix"}]}
+    {"versions": {...}, "host": {...}, "gpus": [{...}], "topology": {...} | None, "placement": {...} | None,
+     "findings": [{"severity", "message", "fix"}]}
 
 GPU facts come from NVML (``pynvml``, package ``nvidia-ml-py``). Every NVML call goes through the
 ``nvml`` object passed in, so tests inject a fake with the same function names. On a machine without
 an NVIDIA driver the report says so as a finding and still lists versions and host facts.
+With two or more GPUs, ``topology`` holds the GPU-to-GPU links (NVML and ``nvidia-smi topo -m``,
+:mod:`pipeline.gpu_topology`); given a recipe's ``tp`` / ``pp``, ``placement`` maps its ranks to GPUs, warns when
+a TP group crosses a slow link or NUMA nodes and gives each rank's ``numactl`` binding.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import os
 import platform
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from . import gpu_topology as topo
 
 from .env import TOOLS, cpu_model, nvml_sm, tool_version
 
@@ -149,6 +155,8 @@ def collect_host() -> dict[str, Any]:
         "memory": mem,
         "thread_env": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
                        if os.environ.get(k) is not None},
+        "gpu_env": {k: v for k, v in os.environ.items()
+                    if k.startswith("NCCL_") or k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")},
     }
 
 
@@ -184,17 +192,19 @@ def _affinity_cpus(nvml, h, ncpu: int) -> list[int] | None:
     return cpus
 
 
-def collect_gpus(nvml) -> tuple[dict, list[dict]]:
-    """(driver facts, one dict per GPU). Raises nvml.NVMLError when NVML cannot start."""
+def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
+    """(driver facts, one dict per GPU). Raises nvml.NVMLError when NVML cannot start. With two or more GPUs and a
+    ``topology`` dict given, fills it with :func:`pipeline.gpu_topology.collect_topology`'s result."""
     nvml.nvmlInit()
     try:
         drv = {"driver": _call(nvml, "nvmlSystemGetDriverVersion")}
         cuda = _call(nvml, "nvmlSystemGetCudaDriverVersion_v2") or _call(nvml, "nvmlSystemGetCudaDriverVersion")
         drv["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
-        gpus = []
+        gpus, handles = [], []
         ncpu = os.cpu_count() or 1
         for i in range(nvml.nvmlDeviceGetCount()):
             h = nvml.nvmlDeviceGetHandleByIndex(i)
+            handles.append(h)
             sm = nvml_sm(nvml, h)
             mem = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
             reasons = _call(nvml, "nvmlDeviceGetCurrentClocksEventReasons", h)
@@ -202,7 +212,7 @@ def collect_gpus(nvml) -> tuple[dict, list[dict]]:
                 reasons = _call(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
             util = _call(nvml, "nvmlDeviceGetUtilizationRates", h)
             pm = _call(nvml, "nvmlDeviceGetPersistenceMode", h)
-            numa = _call(nvml, "nvmlDeviceGetNumaNodeId", h)
+            numa = topo.numa_node_of(nvml, h)
             aff = _affinity_cpus(nvml, h, ncpu)
             g = {
                 "index": i,
@@ -226,7 +236,7 @@ def collect_gpus(nvml) -> tuple[dict, list[dict]]:
                 [n for bit, n in THROTTLE_BITS.items() if int(reasons) & bit],
                 "pstate": _call(nvml, "nvmlDeviceGetPerformanceState", h),
                 "utilization_pct": getattr(util, "gpu", None),
-                "numa_node": numa if numa is None or numa >= 0 else None,
+                "numa_node": numa,
                 "cpu_affinity": _compact(aff) if aff else None,
                 "persistence_mode": None if pm is None else bool(pm),
             }
@@ -235,6 +245,8 @@ def collect_gpus(nvml) -> tuple[dict, list[dict]]:
             spec = match_nvml_name(g["name"] or "")
             g["planner_gpu"] = spec.name if spec else None
             gpus.append(g)
+        if topology is not None and len(handles) > 1:
+            topology.update(topo.collect_topology(nvml, handles))
         return drv, gpus
     finally:
         _call(nvml, "nvmlShutdown")
@@ -389,11 +401,59 @@ def host_findings(host: dict, versions: dict) -> list[dict]:
     return out
 
 
-def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None,
+def topology_findings(t: dict, host: dict) -> list[dict]:
+    """Problems of the GPU-to-GPU links that hold whatever the recipe (placement_findings covers a recipe's ranks)."""
+    out = []
+    gpus = {g["index"]: g for g in t.get("gpus") or []}
+    for p in t["pairs"]:
+        a, b = p["gpus"]
+        sw = (gpus.get(a, {}).get("nvswitch_links") or 0) and (gpus.get(b, {}).get("nvswitch_links") or 0)
+        if sw and not p.get("nvlink"):
+            out.append(_finding("warning", f"GPU{a} and GPU{b} have NVSwitch links but NVLink peer-to-peer is "
+                                           f"'{p.get('p2p_nvlink')}': their traffic takes {p.get('link')} instead",
+                                "start NVIDIA Fabric Manager (systemctl enable --now nvidia-fabricmanager; its "
+                                "version must match the driver's), then re-run forge doctor"))
+        elif not p.get("nvlink") and p.get("p2p_read") not in (None, "ok"):
+            out.append(_finding("info", f"GPU{a} and GPU{b}: no PCIe peer-to-peer ({p['p2p_read']}); NCCL goes "
+                                        f"through host memory between them",
+                                "check the BIOS ACS / IOMMU settings; `nvidia-smi topo -p2p r` shows it per pair"))
+    if t["pairs"] and not any(p.get("nvlink") for p in t["pairs"]):
+        out.append(_finding("info", f"no NVLink between any of the {len(gpus) or 'several'} GPUs: a tp > 1 "
+                                    f"all-reduce runs at PCIe speed",
+                            "keep TP groups on GPUs under one PCIe switch (PIX), split further with pp"))
+    env = host.get("gpu_env") or {}
+    if env.get("NCCL_P2P_DISABLE", "0") not in ("0", ""):
+        out.append(_finding("warning", f"NCCL_P2P_DISABLE={env['NCCL_P2P_DISABLE']}: NCCL copies through host "
+                                       f"memory even between NVLink-connected GPUs", "unset NCCL_P2P_DISABLE"))
+    return out
+
+
+def _topology(nvml_topology: dict, smi_topo) -> tuple[dict, list[dict]]:
+    """NVML's pairs, nvidia-smi's matrix beside them; nvidia-smi's links where NVML could not say."""
+    findings = []
+    text = smi_topo() if callable(smi_topo) else smi_topo
+    parsed = None
+    if text:
+        try:
+            parsed = topo.parse_nvidia_smi_topo(text)
+        except ValueError as e:
+            findings.append(_finding("info", f"`nvidia-smi topo -m` output not understood: {e}",
+                                     "the NVML topology above is complete without it"))
+    pairs = nvml_topology.get("pairs") or []
+    if parsed and (not pairs or all(p.get("link") is None for p in pairs)):
+        pairs = topo.pairs_from_smi(parsed)
+    return {"gpus": nvml_topology.get("gpus") or [], "pairs": pairs, "nvidia_smi_topo": parsed}, findings
+
+
+def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None, tp: int | None = None,
+               pp: int = 1, recipe: str | None = None,
+               smi_topo: str | Callable[[], str | None] | None = topo.run_nvidia_smi_topo,
                quantizations: dict[str, dict] | None = None) -> dict:
     """Collect versions, host facts and GPU facts; return them with findings (problem + fix).
 
-    ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests);
+    ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests). ``tp`` / ``pp``
+    (``recipe`` names where they come from) add the placement of that many ranks. ``smi_topo``: the text of
+    ``nvidia-smi topo -m``, or a function that returns it (by default it runs the tool when there are 2+ GPUs).
     ``quantizations`` (label -> quantize section / engine metadata) defaults to the shipped onnxruntime recipes and
     the engines linked under ./out.
     """
@@ -403,9 +463,10 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
         quantizations = {**_recipe_quantizations(), **_engine_quantizations(Path.cwd())}
     findings: list[dict] = []
     gpus: list[dict] = []
+    nvml_topology: dict = {}
     try:
         nvml = nvml if nvml is not None else _nvml_default()
-        drv, gpus = collect_gpus(nvml)
+        drv, gpus = collect_gpus(nvml, nvml_topology)
         versions.update(drv)
     except Exception as e:  # NVMLError_LibraryNotFound / DriverNotLoaded / ImportError
         versions.setdefault("driver", None)
@@ -419,6 +480,15 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
                                  "check CUDA_VISIBLE_DEVICES / container --gpus flags; `nvidia-smi -L` lists GPUs"))
     for g in gpus:
         findings.extend(gpu_findings(g, host))
+    topology = placement = None
+    if len(gpus) > 1:
+        topology, f = _topology(nvml_topology, smi_topo)
+        findings.extend(f + topology_findings(topology, host))
+    if tp is not None and gpus:
+        placement = topo.placement(gpus, (topology or {}).get("pairs") or [], int(tp), int(pp),
+                                   env=host.get("gpu_env") or {})
+        placement["recipe"] = recipe
+        findings.extend(topo.placement_findings(placement, _finding))
     findings.extend(host_findings(host, versions))
     findings.extend(isa_findings(host, quantizations))
     if gpus:
@@ -446,7 +516,8 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
                                      f"needs)"))
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f["severity"]])
-    return {"versions": versions, "host": host, "gpus": gpus, "findings": findings}
+    return {"versions": versions, "host": host, "gpus": gpus, "topology": topology, "placement": placement,
+            "findings": findings}
 
 
 def render_doctor(report: dict, console) -> None:
@@ -487,6 +558,26 @@ def render_doctor(report: dict, console) -> None:
                        ",".join(g["throttle_reasons"] or []) or "-", str(g["numa_node"]), str(g["cpu_affinity"]),
                        {True: "on", False: "off", None: "?"}[g["persistence_mode"]])
         console.print(gt)
+    t = report.get("topology")
+    if t and t.get("pairs"):
+        idx = sorted({i for p in t["pairs"] for i in p["gpus"]})
+        link = {frozenset(p["gpus"]): p.get("link") or "?" for p in t["pairs"]}
+        tt = Table(title="GPU-to-GPU links (NV#: # NVLinks, else the PCIe path)")
+        tt.add_column("")
+        for j in idx:
+            tt.add_column(f"GPU{j}")
+        for i in idx:
+            tt.add_row(f"GPU{i}", *["X" if i == j else str(link.get(frozenset((i, j)), "?")) for j in idx])
+        console.print(tt)
+    pl = report.get("placement")
+    if pl and pl.get("ranks"):
+        pt = Table(title=f"ranks of {pl.get('recipe') or 'the recipe'}: tp {pl['tp']} x pp {pl['pp']}")
+        for c in ("rank", "stage", "tp rank", "GPU", "NUMA", "CPUs", "binding"):
+            pt.add_column(c)
+        for r in pl["ranks"]:
+            pt.add_row(str(r["rank"]), str(r["stage"]), str(r["tp_rank"]), str(r["gpu"]), str(r["numa_node"]),
+                       str(r["cpus"]), r["numactl"] or "-")
+        console.print(pt)
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     if not report["findings"]:
         console.print("[green]no problems found[/green]")

@@ -4,8 +4,11 @@ Per rank (the worst pipeline stage):
 
 * weights, by dtype / quantization algorithm: the decoder linears are split across TP ranks (column /
   row parallel; KV heads are *duplicated* when tp > num_kv_heads); embedding and lm_head stay in the
-  activation dtype (ModelOpt excludes lm_head from quantization; the embedding table is replicated,
-  TensorRT-LLM's default ``use_parallel_embedding=False``); quantization scales are counted (per-channel
+  activation dtype (ModelOpt excludes lm_head from quantization); the embedding table is replicated on every
+  rank (TensorRT-LLM's default ``use_parallel_embedding=False``) unless ``parallel_embedding`` -- then each rank
+  holds ``ceil(vocab / tp)`` rows, as in every checkpoint forge writes (ModelOpt 0.47's export sets
+  ``use_parallel_embedding: True``, ``embedding_sharding_dim: 0``: modelopt/torch/export/tensorrt_llm_utils.py,
+  and ``plan_for_recipe`` plans it so); quantization scales are counted (per-channel
   scales, AWQ group scales and pre-quant smoothing vectors).
 * KV cache = layers x kv_heads x head_dim x 2 (K and V) x tokens x bytes(kv dtype), for
   ``max_batch_size x max_seq_len`` tokens, and rounded up to whole paged blocks of ``tokens_per_block``.
@@ -22,6 +25,7 @@ says which ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens`` / ``kv_cach
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -166,7 +170,8 @@ def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size:
 def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | None = None,
                 dtype: str = "float16", tp: int = 1, pp: int = 1, max_batch_size: int = 8,
                 max_seq_len: int = 4096, max_num_tokens: int | None = None, tokens_per_block: int = 32,
-                group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD) -> MemoryPlan:
+                group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD,
+                parallel_embedding: bool = False) -> MemoryPlan:
     """Bytes one rank needs; see the module docstring for what is counted."""
     quant = _norm_quant(quant_algo)
     if dtype not in DTYPE_BYTES:
@@ -213,7 +218,7 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     bias_params = ((q_heads + 2 * kvr) * hd if info.attention_bias else 0)
     # Gemma 3: 4 norms per layer; Qwen3 / Gemma 3: per-head q/k norms (head_dim each)
     norm_params = (info.norms_per_layer * h + (2 * hd if info.qk_norm else 0) + bias_params) * layers
-    emb_params = info.vocab_size * h
+    emb_params = (math.ceil(info.vocab_size / tp) if parallel_embedding else info.vocab_size) * h
     head_params = math.ceil(info.vocab_size / tp) * h
 
     lin_dtype = {"none": dtype, "int8_sq": "int8", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4",
@@ -224,7 +229,7 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     if pp == 1:
         emb_b, head_b = emb_params * act, head_params * act + h * act
     else:
-        emb_b, head_b = (emb_params * act, 0) if emb_params >= head_params else (0, head_params * act + h * act)
+        emb_b, head_b = (emb_params * act, 0) if emb_params > head_params + h else (0, head_params * act + h * act)
     weights = {
         "decoder linears": {"dtype": lin_dtype, "bytes": w_lin, "params": p_lin},
         "quant scales": {"dtype": scale_dtype, "bytes": s_lin, "params": 0},
@@ -266,6 +271,9 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     if n_slide and win and win < max_seq_len:
         notes.append(f"{n_slide} of {layers} layers use a {win}-token sliding window: their KV cache holds {win} "
                      f"tokens per sequence, provided the runtime sets max_attention_window_size per layer")
+    if parallel_embedding and tp > 1:
+        notes.append(f"embedding split over the {tp} TP ranks (use_parallel_embedding, as forge's checkpoints set "
+                     f"it): {math.ceil(info.vocab_size / tp)} rows each")
     if info.tie_word_embeddings:
         notes.append("tied embeddings: the engine stores lm_head separately from the embedding table")
     if mnt_default:
@@ -275,7 +283,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                  "default 0.9); the KV figure here is what the configured worst case needs")
     args = dict(quant_algo=quant, kv_cache=kv_name, dtype=dtype, tp=tp, pp=pp, max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len, max_num_tokens=None if mnt_default else max_num_tokens,
-                tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead)
+                tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead,
+                parallel_embedding=parallel_embedding)
     model = {"architecture": info.architecture, "num_layers": info.num_layers, "hidden_size": h,
              "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads, "head_dim": hd,
              "intermediate_size": i_sz, "vocab_size": info.vocab_size, "num_params": info.num_params,
@@ -385,6 +394,39 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
                       max_batch_size_that_fits=mb)
 
 
+_DECODER_LINEAR = re.compile(r"transformer\.layers\.\d+\.(attention\.(qkv|dense)|mlp\.(fc|gate|proj))\.weight$")
+ST_BYTES = {"I8": 1, "U8": 1, "F8_E4M3": 1, "F16": 2, "BF16": 2, "F32": 4, "I32": 4, "I64": 8}
+
+
+def weight_part(name: str) -> str:
+    """The :attr:`MemoryPlan.weights` part a TensorRT-LLM checkpoint tensor counts in."""
+    if "vocab_embedding" in name:
+        return "embedding"
+    if name.startswith("lm_head") or "ln_f" in name:         # the plan counts ln_f with lm_head
+        return "lm_head"
+    if _DECODER_LINEAR.search(name):
+        return "decoder linears"
+    if "layernorm" in name or name.endswith(".bias"):
+        return "norms/bias"
+    return "quant scales"                                     # weight / activation / prequant / kv-cache scales
+
+
+def rank_weight_bytes(ckpt_dir, rank: int) -> dict[str, int]:
+    """Bytes of one ``rank{N}.safetensors`` of a TensorRT-LLM checkpoint, by :attr:`MemoryPlan.weights` part
+    (read from the file header only): what the plan predicts for that rank, measured."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    parts: dict[str, int] = {}
+    with safe_open(str(Path(ckpt_dir) / f"rank{rank}.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            sl = f.get_slice(name)
+            part = weight_part(name)
+            parts[part] = parts.get(part, 0) + math.prod(sl.get_shape()) * ST_BYTES[sl.get_dtype()]
+    return parts
+
+
 def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[MemoryPlan, list[FitVerdict]]:
     """Plan from a resolved recipe's quantize + build.tensorrt_llm sections; verdict for ``gpu`` (a name from
     :mod:`pipeline.gpus`) or, when None, for every GPU in the table."""
@@ -397,7 +439,8 @@ def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[Me
     plan = plan_memory(info, quant_algo=algo, kv_cache=q.kv_cache, dtype=b.dtype, tp=b.tp, pp=b.pp,
                        max_batch_size=b.max_batch_size, max_seq_len=b.max_seq_len, max_num_tokens=b.max_num_tokens,
                        tokens_per_block=b.tokens_per_block if b.kv_cache_type == "paged" else 1,
-                       group_size=q.block_size or 128)
+                       group_size=q.block_size or 128,
+                       parallel_embedding=True)   # what forge's checkpoint stage writes (module docstring)
     gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
     return plan, [fit(plan, g) for g in gpus]
 

@@ -31,13 +31,9 @@ sys.path.insert(0, str(ROOT))
 QWEN7B = ROOT / "pipeline/model_configs/Qwen--Qwen2.5-7B-Instruct.json"
 
 
-def synthetic_checkpoint(out: Path, hf_config: dict, *, tp: int = 2, layers: int | None = None, seed: int = 0) -> dict:
-    """Write an int8_sq + INT8-KV TensorRT-LLM checkpoint of ``hf_config``'s shape (``layers`` overrides the depth)."""
-    import torch
-    from safetensors.torch import save_file
-
+def synthetic_config(hf_config: dict, *, tp: int = 2, layers: int | None = None) -> dict:
+    """The config.json of the int8_sq + INT8-KV checkpoint ``synthetic_checkpoint`` writes."""
     from pipeline.modelinfo import ModelInfo
-    from pipeline.trtllm.contract import check_contract, expected_tensors
 
     info = ModelInfo.from_hf_config(hf_config)
     L = layers or info.num_layers
@@ -54,6 +50,29 @@ def synthetic_checkpoint(out: Path, hf_config: dict, *, tp: int = 2, layers: int
            "quantization": {"quant_algo": "W8A8_SQ_PER_CHANNEL", "kv_cache_quant_algo": "INT8"}}
     if qwen:
         cfg["qwen_type"] = info.model_type
+    return cfg
+
+
+def synthetic_dtype(name: str, dtypes) -> str:
+    """The safetensors dtype ``synthetic_checkpoint`` gives tensor ``name`` (of the contract's allowed ``dtypes``)."""
+    if "I8" in dtypes:
+        return "I8"
+    if name.endswith(("weights_scaling_factor", "activation_scaling_factor", "kv_cache_scaling_factor")):
+        return "F32"
+    return "F16"
+
+
+def synthetic_checkpoint(out: Path, hf_config: dict, *, tp: int = 2, layers: int | None = None, seed: int = 0) -> dict:
+    """Write an int8_sq + INT8-KV TensorRT-LLM checkpoint of ``hf_config``'s shape (``layers`` overrides the depth)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pipeline.modelinfo import ModelInfo
+    from pipeline.trtllm.contract import check_contract, expected_tensors
+
+    info = ModelInfo.from_hf_config(hf_config)
+    cfg = synthetic_config(hf_config, tp=tp, layers=layers)
+    L = cfg["num_hidden_layers"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     g = torch.Generator().manual_seed(seed)
@@ -76,6 +95,8 @@ def synthetic_checkpoint(out: Path, hf_config: dict, *, tp: int = 2, layers: int
                 t = torch.ones(shape, dtype=torch.float16)
             else:                                                   # embedding, lm_head, biases
                 t = (torch.randn(shape, generator=g) * 0.02).to(torch.float16)
+            assert {torch.int8: "I8", torch.float32: "F32", torch.float16: "F16"}[t.dtype] == \
+                synthetic_dtype(name, dtypes), name
             sd[name] = t
         save_file(sd, str(out / f"rank{rank}.safetensors"))
         del sd

@@ -16,7 +16,8 @@ Per-family semantics and their TensorRT-LLM 1.2 sources: ``pipeline/trtllm/famil
   kv_heads < tp), row-parallel linears produce partial sums; the TP all-reduce is a sum over the TP ranks of a
   stage, the parallel embedding is a masked lookup + sum, lm_head shards are gathered and the vocab padding
   cut. PP: the hidden state is handed from one stage's ranks to the next (first stage embeds, last stage
-  applies ln_f and lm_head).
+  applies ln_f and lm_head). Where the ranks meet (all-reduce, hand-off, gather) are methods of their own;
+  ``pipeline/trtllm/distributed.py`` overrides them to run one rank per process over ``torch.distributed``.
 - Families: Llama 3.x ``rotary_scaling`` (llama3 / linear), sliding-window attention (Mistral: every layer;
   Gemma 3: layers with ``(i + 1) % _sliding_window_pattern != 0``, with ``rope_local_base_freq``; a key at
   position j is visible from position i when ``i - window < j <= i``), per-head q/k RMSNorm before RoPE
@@ -315,13 +316,13 @@ class ReferenceModel:
     def _layer(self, lays: list[dict], h: torch.Tensor, rope, mask) -> torch.Tensor:
         """One decoder layer over the stage's TP ranks (the all-reduce is the sum over ranks)."""
         res = h
-        attn = self._rd(sum(self._attention(r, self._rms(h, r["in_ln"]), rope, mask) for r in lays))
+        attn = self._rd(self._tp_sum(self._attention(r, self._rms(h, r["in_ln"]), rope, mask) for r in lays))
         if self.inter_layernorms:            # Gemma 3: post_layernorm on the attention output, then the residual
             attn = self._rms(attn, lays[0]["post_ln"])
         h = self._rd(res + attn)
         res = h
         ln = "pre_ffn_ln" if self.inter_layernorms else "post_ln"
-        mlp = self._rd(sum(self._mlp(r, self._rms(h, r[ln])) for r in lays))
+        mlp = self._rd(self._tp_sum(self._mlp(r, self._rms(h, r[ln])) for r in lays))
         if self.inter_layernorms:
             mlp = self._rms(mlp, lays[0]["post_ffn_ln"])
         return self._rd(res + mlp)
@@ -333,7 +334,8 @@ class ReferenceModel:
         parallel = self.cfg.get("use_parallel_embedding", False)
         dim = int(self.cfg.get("embedding_sharding_dim", 0))
         out: list[Any] = [None] * len(batches)
-        for t, rank in enumerate(ranks if parallel else ranks[:1]):
+        for rank in ranks if parallel else ranks[:1]:
+            t = rank % self.tp                             # the rank's shard of the table
             with self._open(rank) as f:
                 emb = f.get_tensor(name)
                 emb = emb if self.device.type == "cpu" else emb.to(self.device)
@@ -348,6 +350,7 @@ class ReferenceModel:
                         part = emb[ids].float()
                         out[b] = part if out[b] is None else torch.cat([out[b], part], dim=-1)
                 del emb
+        out = [self._embedding_collective(e) for e in out]
         if self.emb_scale is not None:      # GemmaModel: cast(emb * sqrt(hidden_size), dtype)
             out = [self._rd(self._rd(e) * self.emb_scale) for e in out]
         return [self._rd(e) for e in out]
@@ -376,6 +379,39 @@ class ReferenceModel:
             out[..., col + r:col + r + width] = y[..., :width].to(out.device)
         return rows
 
+    # ------------------------------------------------------------------ where the ranks meet
+    # One process computes every rank here: the TP all-reduce is a sum over the ranks' partial results, the PP
+    # hand-off passes the hidden state on, the lm_head shards are written side by side. ``distributed.py``
+    # overrides these hooks to run one rank per process over ``torch.distributed``.
+    def _stage_ranks(self) -> list[tuple[int, list[int]]]:
+        """(pipeline stage, the ranks of it this process computes), in stage order."""
+        return [(s, list(range(s * self.tp, (s + 1) * self.tp))) for s in range(self.pp)]
+
+    def _tp_sum(self, parts: Iterable[torch.Tensor]) -> torch.Tensor:
+        """The all-reduce after attention and after the MLP (row-parallel partial sums)."""
+        return sum(parts)
+
+    def _embedding_collective(self, e: torch.Tensor) -> torch.Tensor:
+        """The parallel embedding's reduction; ``_embed`` already combined every rank's lookup here."""
+        return e
+
+    def _recv_hidden(self, stage: int, hs: list[torch.Tensor], batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        return hs
+
+    def _send_hidden(self, stage: int, hs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Hand ``hs`` to ``stage + 1``; returns what this process keeps (all of it here)."""
+        return hs
+
+    def _final_logits(self, h: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor | None:
+        """Float32 CPU logits ``[B, T, vocab_size]`` of the last stage's hidden state ``h``: every lm_head shard
+        written into place (the all-gather), vocab padding cut."""
+        B, T = shape
+        lg = torch.empty(B, T, self.V, dtype=torch.float32)
+        col = 0
+        for rank in range((self.pp - 1) * self.tp, self.pp * self.tp):
+            col += self._head_into(lg, col, rank, h)
+        return lg
+
     # ------------------------------------------------------------------ forward
     def _ids(self, input_ids: Any, attention_mask: Any | None = None) -> torch.Tensor:
         ids = torch.as_tensor(input_ids, dtype=torch.long)
@@ -393,7 +429,7 @@ class ReferenceModel:
 
         One streaming pass over the checkpoint serves all batches: each layer is read once and every batch's
         hidden state runs through it. Only the hidden states of all batches are kept; logits are yielded one
-        batch at a time.
+        batch at a time (``None`` on the ranks of a distributed run that do not assemble them).
         """
         prev_tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False          # float32 matmuls, same numbers as on CPU
@@ -409,12 +445,10 @@ class ReferenceModel:
                     ropes[(T, sliding)] = (self._rope(T, base, scaled), self._mask(T, sliding))
                 return ropes[(T, sliding)]
 
-            hs: list[torch.Tensor] = []
-            for stage in range(self.pp):
-                ranks = list(range(stage * self.tp, (stage + 1) * self.tp))
-                if stage == 0:
-                    hs = self._embed(ranks, batches)
-                # PP hand-off: ``hs`` is what the previous stage sends; this stage's ranks hold their own layers.
+            hs: list[torch.Tensor] | None = None
+            for stage, ranks in self._stage_ranks():
+                # PP hand-off: the first stage embeds; a later stage takes the hidden state the previous one sends.
+                hs = self._embed(ranks, batches) if stage == 0 else self._recv_hidden(stage, hs, batches)
                 for i, layer in enumerate(self.ranges[stage]):
                     lays = [self._load_layer(r, i) for r in ranks]
                     sliding = self.sliding[layer]
@@ -422,17 +456,16 @@ class ReferenceModel:
                     del lays
                     if self.device.type == "cpu":
                         _trim_heap()
+                if stage < self.pp - 1:
+                    hs = self._send_hidden(stage, hs)
             if self.device.type == "cpu":
                 _trim_heap()
-            last = list(range((self.pp - 1) * self.tp, self.pp * self.tp))
-            for b in range(len(hs)):
-                h, hs[b] = hs[b], None
-                B, T, _ = h.shape
-                lg = torch.empty(B, T, self.V, dtype=torch.float32)   # all-gather into place, vocab padding cut
-                col = 0
-                for rank in last:
-                    col += self._head_into(lg, col, rank, h)
-                if self.final_softcap:
+            for b in range(len(batches)):
+                h = None
+                if hs is not None:
+                    h, hs[b] = hs[b], None
+                lg = self._final_logits(h, tuple(batches[b].shape))
+                if lg is not None and self.final_softcap:
                     lg = torch.tanh(lg / self.final_softcap) * self.final_softcap
                 yield lg
         finally:

@@ -161,3 +161,21 @@ def test_plan_for_recipe_qwen7b_int8_on_rtx4090():
     assert verdicts[0].needed_bytes == plan.total_bytes
     _, all_v = plan_for_recipe(r, info, None)
     assert [v.gpu for v in all_v] == ["rtx4090", "l40s", "a100-80gb", "h100", "h200"]
+
+
+def test_plan_for_recipe_splits_the_embedding_as_forge_checkpoints_do():
+    """forge's checkpoints (ModelOpt export) carry use_parallel_embedding: each rank holds ceil(vocab / tp) rows of
+    the table, which the per-rank plan must count (issue 18: plan vs the rank files)."""
+    from pipeline.memory import plan_for_recipe
+    from pipeline.recipe import resolve
+    from pipeline.runner import Runner
+
+    r = resolve("qwen7b-int8", [])
+    info = Runner(r).model_info()
+    plan, _ = plan_for_recipe(r, info, "h200")
+    tp = r.build.tensorrt_llm.tp
+    assert tp == 2 and plan.args["parallel_embedding"] is True
+    assert plan.weights["embedding"]["bytes"] == -(-152064 // tp) * 3584 * 2
+    assert any("embedding split over the 2 TP ranks" in n for n in plan.notes)
+    replicated = plan_memory(info, **{**plan.args, "parallel_embedding": False})
+    assert replicated.weights["embedding"]["bytes"] == 152064 * 3584 * 2

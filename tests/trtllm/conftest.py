@@ -39,6 +39,18 @@ def llama_sq_tp3(tmp_path_factory):
     return root / "hf", fp32, q, root / "ckpt"
 
 
+@pytest.fixture(scope="session")
+def qwen_sq_tp2(tmp_path_factory):
+    """Checkpoint dir of a tiny Qwen2 with 2 KV heads, int8_sq + INT8 KV, tp 2: the 7B tp 2 case's shape in small."""
+    from pipeline.modelinfo import ModelInfo
+    from pipeline.trtllm.checkpoint import write_checkpoint
+    root = tmp_path_factory.mktemp("qwen_sq")
+    q = int8_sq(tiny_qwen2(root / "hf", kv_heads=2), kv_int8=True)
+    write_checkpoint(q, ModelInfo.from_dir(root / "hf"), root / "hf", root / "ckpt", dtype="float16", tp=2, pp=1,
+                     quant={"algo": "int8_sq", "kv_cache": "int8"})
+    return root / "ckpt"
+
+
 @pytest.fixture
 def mutable(tmp_path):
     """Copy a checkpoint dir to a scratch place so a test can mutate it."""

@@ -13,12 +13,13 @@ os.environ.setdefault("FORGE_PROGRESS", "0")
 VOCAB = 301  # odd on purpose: lm_head / embedding padding to a multiple of tp is exercised
 
 
-def tiny_qwen2(path: Path):
-    """Qwen2 with qkv bias, 4 heads / 1 KV head (kv_heads < tp for tp 2), 4 layers (pp 2 splits evenly)."""
+def tiny_qwen2(path: Path, kv_heads: int = 1, layers: int = 4):
+    """Qwen2 with qkv bias, 4 heads / 1 KV head (kv_heads < tp for tp 2), 4 layers (pp 2 splits evenly).
+    ``kv_heads=2``: int8_sq at tp 2 (ModelOpt cannot duplicate per-channel k/v scales)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.15)
     m = Qwen2ForCausalLM(cfg).eval()
     for layer in m.model.layers:   # non-trivial biases so a wrong bias split shows up

@@ -118,6 +118,9 @@ def test_option_schemas_cover_every_target_algo_and_hold_the_quantizers_defaults
     from pipeline.recipe import TARGET_ALGOS
     from pipeline.recipe_options import QUANTIZERS, OrtInt8Options
     assert set(QUANTIZERS) == {(t, a) for t, algos in TARGET_ALGOS.items() for a in algos}
+    # issue 11: dynamic MatMuls hold 7-bit s8 weights (exact on CPUs without VNNI/AMX)
     assert ortq.INT8_DEFAULTS == {"method": "mixed", "blockwise": ["*.mlp.down_proj", "lm_head"],
-                                  "smoothquant_alpha": 0.5, "smoothquant_only": ["*.q_proj", "*.gate_proj"]}
+                                  "smoothquant_alpha": 0.5, "smoothquant_only": ["*.q_proj", "*.gate_proj"],
+                                  "weight_type": "int8", "reduce_range": True, "per_channel": True,
+                                  "weight_symmetric": True}
     assert ortq.INT8 == OrtInt8Options()

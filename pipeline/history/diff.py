@@ -105,14 +105,14 @@ def component_changes(a: Run, b: Run) -> list[Change]:
 
 def machine_changes(a: Run, b: Run, skip_dists: set[str] = frozenset()) -> list[Change]:
     """Machine facts and tool versions; a tool already reported through a stage key is not repeated."""
-    from ..doctor import PACKAGES   # version label -> its distribution names
+    from ..env import TOOLS   # version label -> its distribution names
     out = []
     for k in ("cpu_model", "cpu_isa", "gpus", "gpu_driver", "cuda_driver"):
         if a.machine.get(k) != b.machine.get(k):
             out.append(Change("machine", k, a.machine.get(k), b.machine.get(k)))
     ta, tb = a.machine.get("tools") or {}, b.machine.get("tools") or {}
     for k in sorted(set(ta) | set(tb)):
-        if ta.get(k) != tb.get(k) and not ({k, *PACKAGES.get(k, [])} & skip_dists):
+        if ta.get(k) != tb.get(k) and not ({k, *TOOLS.get(k, ())} & skip_dists):
             out.append(Change("tools", f"tools.{k}", ta.get(k), tb.get(k)))
     return out
 

@@ -7,7 +7,6 @@ with tonight: numbers from another CPU ISA class or another GPU are not comparab
 
 from __future__ import annotations
 
-import importlib.metadata as md
 import os
 import platform
 import time
@@ -40,17 +39,7 @@ def gpus() -> tuple[dict, list[dict]]:
 
 
 def tool_versions() -> dict[str, str | None]:
-    from ..doctor import PACKAGES
-    out: dict[str, str | None] = {"python": platform.python_version()}
-    for label, dists in PACKAGES.items():
-        out[label] = None
-        for d in dists:
-            try:
-                out[label] = md.version(d)
-                break
-            except md.PackageNotFoundError:
-                continue
-    return out
+    return {"python": platform.python_version(), **env.tool_versions(env.TOOLS)}
 
 
 def machine_facts() -> dict:

@@ -221,6 +221,9 @@ class TrtllmPackage(OnTrtllmGpu, PackageStage):
     version = "3"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest)
     tools = TRTLLM_TOOLS
 
+    def gpus(self, r):
+        return 1     # writes the repository from the built engine: one GPU of its architecture, not the ranks
+
     def plan_problems(self, r, info):
         from ..triton.repo_trtllm import check_triton_vs_engine
         return check_triton_vs_engine(r.package.triton.model_dump(), r.build.tensorrt_llm.model_dump())

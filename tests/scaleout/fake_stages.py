@@ -18,7 +18,20 @@ import time
 import uuid
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict
+
+from pipeline import recipe_options
 from pipeline.stages.base import Stage
+
+
+class FakeKnobs(BaseModel):
+    """The knobs above ride in quantize.options, which forge's schema (pipeline/recipe_options.py) closes for algo
+    none; with these fake flows any knob is accepted there (here and in every Ray worker that imports this)."""
+    model_config = ConfigDict(extra="allow")
+
+
+for _key in [k for k in recipe_options.QUANTIZERS if k[1] == "none"]:
+    recipe_options.QUANTIZERS[_key] = recipe_options.Quantizer(FakeKnobs)
 
 
 def _opt(r, name, default=None):

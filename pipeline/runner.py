@@ -75,6 +75,7 @@ class Runner:
         self.cache = cache or open_cache()
         self.home = Path(home or forge_home())
         self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
+        self._components: dict[str, dict] = {}     # each run stage's key components (for the run history)
         self.log_dir = Path(log_dir) if log_dir else self.cache.root / "logs" / recipe.name
 
     def stage_names(self) -> list[str]:
@@ -288,6 +289,7 @@ class Runner:
                 payloads[n] = entry.payload
             try:
                 res = self._run_stage(s, digests, payloads, metrics, forced, {n: keys[n] for n in s.needs}, retry)
+                res.components = self._components.get(s.name)
                 break
             except _InputsCorrupt:      # set aside here: fetched again from the shared store
                 continue

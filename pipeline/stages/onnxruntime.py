@@ -44,6 +44,12 @@ def ort_options(q) -> dict:
     return opts
 
 
+def ort_calibrates(q) -> bool:
+    """Only int8 reads calibration data (SmoothQuant's activation ranges); int4_wo (HQQ / RTN) reads weights only,
+    so its key leaves the calibration settings out and a calibration change does not rebuild it."""
+    return q.algo == "int8"
+
+
 class OrtQuantize(Stage):
     """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
@@ -54,12 +60,12 @@ class OrtQuantize(Stage):
     def config(self, r):
         q = r.quantize
         cfg = {"method": q.method, "algo": q.algo, "alpha": q.alpha, "block_size": q.block_size, "options": q.options}
-        if q.algo != "none":
+        if ort_calibrates(q):
             cfg["calibration"] = q.calibration.model_dump()
         return cfg
 
     def data(self, r, home):
-        return calibration_digests(r)
+        return calibration_digests(r) if ort_calibrates(r.quantize) else {}
 
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["export"]) if "export" in inputs else None    # at most the fp32 graph
@@ -91,7 +97,7 @@ class OrtQuantize(Stage):
     def run(self, ctx: StageContext) -> dict:
         from ..ort.quantize import quantize_onnx
         q = ctx.recipe.quantize
-        calib = calibration_windows(ctx) if q.algo != "none" else None
+        calib = calibration_windows(ctx) if ort_calibrates(q) else None
         return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=ort_options(q))
 
 

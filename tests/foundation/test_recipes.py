@@ -106,3 +106,17 @@ def test_cli_resolve_prints_hash():
     p = forge("recipes", "resolve", "smollm2-135m-int8")
     assert p.returncode == 0, p.stderr
     assert f"# hash: {resolve('smollm2-135m-int8').hash}" in p.stdout
+
+
+def test_ort_quantize_key_holds_calibration_only_for_the_algo_that_reads_it(tmp_path):
+    """int8 calibrates (SmoothQuant ranges): a calibration change must rebuild it. int4_wo reads weights only: the
+    same change must not (it once rebuilt INT4 for nothing, measured in the run history)."""
+    from pipeline.recipe import resolve
+    from pipeline.stages.onnxruntime import OrtQuantize
+    q = OrtQuantize()
+    for name, reads in (("smollm2-135m-int8", True), ("smollm2-135m-int4", False)):
+        a, b = resolve(name), resolve(name, ["quantize.calibration.samples=16"])
+        assert (q.config(a) != q.config(b)) is reads, name
+        assert ("calibration" in q.config(a)) is reads, name
+        if not reads:
+            assert q.data(a, tmp_path) == {}

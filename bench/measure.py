@@ -62,8 +62,8 @@ def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0, base: li
     return rng.integers(100, vocab_size - 100, size=(batch, length), dtype=np.int64)
 
 
-def measure_prefill(adapter, ids: np.ndarray, reps: int, warmup: int = 1) -> dict:
-    times = timed(lambda: adapter.prefill(ids), reps, warmup)
+def measure_prefill(adapter, ids: np.ndarray, reps: int, warmup: int = 1, clock=None) -> dict:
+    times = timed(lambda: adapter.prefill(ids), reps, warmup, clock)
     tokens = int(ids.shape[0] * ids.shape[1])
     return {"batch": int(ids.shape[0]), "tokens": tokens, "times_s": times, "median_s": median(times),
             "tokens_per_s": tokens / median(times)}
@@ -112,8 +112,10 @@ def _count_new(out, batch: int, asked: int) -> int:
 
 def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, reps: int, prefill_len: int = 256,
                     prefill_batches=(1, 4), decode_prompt: int = 32, decode_new: int = 64,
-                    decode_batches=(1, 8), warmup: int = 1, progress: Callable[[str], None] | None = None) -> dict:
-    """All speed figures of one engine/peer; unsupported cases are recorded with the reason."""
+                    decode_batches=(1, 8), warmup: int = 1, progress: Callable[[str], None] | None = None,
+                    clock=None) -> dict:
+    """All speed figures of one engine/peer; unsupported cases are recorded with the reason. ``clock``: seconds
+    (default time.perf_counter; tests pass a virtual clock)."""
     res: dict = {"name": adapter.name, "what": adapter.what, "prefill": {}, "decode": {}, "skipped": {}}
     for b in prefill_batches:
         if b > 1 and not getattr(adapter, "supports_batch_prefill", True):
@@ -122,11 +124,11 @@ def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, rep
         if progress:
             progress(f"{adapter.name} prefill {b}x{prefill_len}")
         res["prefill"][str(b)] = measure_prefill(adapter, prompt_ids(vocab_size, b, prefill_len, base=base_ids),
-                                                 reps, warmup)
+                                                 reps, warmup, clock)
     p1 = prompt_ids(vocab_size, 1, prefill_len, base=base_ids)
     if progress:
         progress(f"{adapter.name} time to first token")
-    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup)
+    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup, clock)
     res["ttft"] = {"prompt_tokens": prefill_len, "times_s": ttft, "median_s": median(ttft)}
     for b in decode_batches:
         if b > 1 and getattr(adapter, "generate_batch", None) is None:
@@ -135,5 +137,5 @@ def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, rep
         if progress:
             progress(f"{adapter.name} decode batch {b}")
         res["decode"][str(b)] = measure_decode(adapter, prompt_ids(vocab_size, b, decode_prompt, base=base_ids),
-                                               decode_new, reps, warmup)
+                                               decode_new, reps, warmup, clock)
     return res

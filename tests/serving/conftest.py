@@ -10,9 +10,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 import tiny_engine  # noqa: E402
-
-WORDS = [f"w{i}" for i in range(tiny_engine.VOCAB)]
-EOS = tiny_engine.VOCAB - 1  # "w63" doubles as eos; next_token never reaches it from w0.. in the tests
+from tiny_engine import EOS, WORDS  # noqa: E402
 
 
 def make_graph(path: str) -> None:
@@ -64,13 +62,3 @@ def tiny_repo(tiny_artifacts, tmp_path_factory):
                                      recipe=recipe, metrics={"greedy_match": 1.0},
                                      engine_module=tiny_artifacts["engine_module"])
     return out, summary
-
-
-def expected_tokens(prompt_ids, n, eos=EOS):
-    out, t = [], prompt_ids[-1]
-    for _ in range(n):
-        t = tiny_engine.next_token(t)
-        out.append(t)
-        if t == eos:
-            break
-    return out

@@ -8,7 +8,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from conftest import WORDS, expected_tokens
+from tiny_engine import WORDS, expected_tokens
 from pipeline.errors import ForgeError
 from pipeline.triton import serve as serve_mod
 from pipeline.triton.serve import TritonServer, find_tritonserver, port_in_use

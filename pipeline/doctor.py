@@ -445,10 +445,26 @@ def _topology(nvml_topology: dict, smi_topo) -> tuple[dict, list[dict]]:
     return {"gpus": nvml_topology.get("gpus") or [], "pairs": pairs, "nvidia_smi_topo": parsed}, findings
 
 
+def ort_cuda_findings(st: dict, have_gpu: bool) -> list[dict]:
+    """The CUDA provider of onnxruntime (build.onnxruntime.provider: cuda): usable, or why not and the fix."""
+    if st.get("problem") is None:
+        return []
+    if not st.get("cuda_provider"):
+        if not have_gpu:
+            return [_finding("info", "onnxruntime has no CUDAExecutionProvider: the *-cuda-* recipes stop at build "
+                                     "(exit 3) here", "finish them on a GPU machine (scripts/gpu_ort_run.py)")]
+        return [_finding("warning", f"onnxruntime {st.get('onnxruntime')} has no CUDAExecutionProvider on this GPU "
+                                    "machine: the *-cuda-* recipes cannot build",
+                         "pip install onnxruntime-gpu (1.31.x is built for CUDA 13: libcublas.so.13, libcublasLt.so.13, "
+                         "libcudart.so.13, libcurand.so.10 on LD_LIBRARY_PATH)")]
+    return [_finding("error", f"onnxruntime's CUDAExecutionProvider cannot run: {st['problem']}",
+                     "export LD_LIBRARY_PATH=<site-packages>/nvidia/<lib>/lib:... (PyTorch's CUDA wheels ship them)")]
+
+
 def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None, tp: int | None = None,
                pp: int = 1, recipe: str | None = None,
                smi_topo: str | Callable[[], str | None] | None = topo.run_nvidia_smi_topo,
-               quantizations: dict[str, dict] | None = None) -> dict:
+               quantizations: dict[str, dict] | None = None, ort_cuda: dict | None = None) -> dict:
     """Collect versions, host facts and GPU facts; return them with findings (problem + fix).
 
     ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests). ``tp`` / ``pp``
@@ -514,10 +530,14 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
             findings.append(_finding("error", f"{TOOLS[label][0]} is not installed: {what}",
                                      f"pip install {TOOLS[label][0]} (`make setup` installs everything forge "
                                      f"needs)"))
+    if ort_cuda is None:
+        from .env import ort_cuda_status
+        ort_cuda = ort_cuda_status()
+    findings.extend(ort_cuda_findings(ort_cuda, bool(gpus)))
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f["severity"]])
     return {"versions": versions, "host": host, "gpus": gpus, "topology": topology, "placement": placement,
-            "findings": findings}
+            "onnxruntime_cuda": ort_cuda, "findings": findings}
 
 
 def render_doctor(report: dict, console) -> None:
@@ -578,6 +598,13 @@ def render_doctor(report: dict, console) -> None:
             pt.add_row(str(r["rank"]), str(r["stage"]), str(r["tp_rank"]), str(r["gpu"]), str(r["numa_node"]),
                        str(r["cpus"]), r["numactl"] or "-")
         console.print(pt)
+    oc = report.get("onnxruntime_cuda") or {}
+    libs = ", ".join(f"{k} {v.get('version') or '?'}" if v.get("found") else f"{k} missing"
+                     for k, v in (oc.get("libraries") or {}).items())
+    console.print(f"onnxruntime {oc.get('onnxruntime')}: CUDAExecutionProvider "
+                  f"{'available' if oc.get('cuda_provider') else 'not available'}"
+                  + (f", usable (session providers {oc.get('session_providers')})" if oc.get("cuda_provider")
+                     and not oc.get("problem") else "") + (f"; CUDA libraries: {libs}" if libs else ""))
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     if not report["findings"]:
         console.print("[green]no problems found[/green]")

@@ -127,6 +127,22 @@ class QuantizeSection(Section):
 class OrtBuild(Section):
     opt_level: Literal["disable", "basic", "extended", "all"] = "extended"
     intra_op_threads: int = Field(0, ge=0, le=MAX_THREADS, description="0 = ONNX Runtime's default (all cores)")
+    provider: Literal["cpu", "cuda"] = Field(
+        "cpu", description="execution provider the engine is built, validated and served with: cpu, or cuda "
+                           "(onnxruntime-gpu's CUDAExecutionProvider; KV cache on the GPU through IO binding)")
+    precision: Literal["fp32", "fp16"] = Field(
+        "fp32", description="fp16: the graph converted with ONNX Runtime's float16 tool at build time (norm "
+                            "statistics kept fp32, logits output fp32); needs provider: cuda")
+    cuda_graph: bool = Field(False, description="decode steps replayed from a captured CUDA graph (ONNX Runtime's "
+                                                "enable_cuda_graph, fixed-shape bound buffers); needs provider: cuda")
+
+    def build_config(self) -> dict:
+        """What the build stage's output depends on: the CPU defaults leave the CPU recipes' keys as they were
+        before the provider existed; cuda_graph is a run-time choice (evaluate, serve), not part of the graph."""
+        d = self.model_dump(exclude={"cuda_graph"})
+        if self.provider == "cpu" and self.precision == "fp32":
+            d.pop("provider"), d.pop("precision")
+        return d
 
 
 class TrtllmBuild(Section):
@@ -781,6 +797,15 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
         if getattr(t, key) is not None and target not in targets:
             p.append(f"{source}: validate.thresholds.{key} gates a metric only build.target "
                      f"{' / '.join(sorted(targets))} produces; remove it for '{target}'")
+    b = recipe.build.onnxruntime
+    if b.provider != "cuda":
+        for key, bad in (("precision", b.precision == "fp16"), ("cuda_graph", b.cuda_graph)):
+            if bad:
+                p.append(f"{source}: build.onnxruntime.{key} = {getattr(b, key)!r} needs build.onnxruntime.provider: "
+                         "cuda (the CPU provider runs fp32 graphs and has no CUDA graphs)")
+    if b.provider == "cuda" and target != "onnxruntime":
+        p.append(f"{source}: build.onnxruntime.provider = 'cuda' applies to build.target 'onnxruntime' only; "
+                 f"remove it for '{target}'")
     if target == "tensorrt" and recipe.export.attention == "gqa":
         p.append(f"{source}: export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
                  "use export.attention: standard (or auto) for build.target 'tensorrt'")

@@ -15,13 +15,14 @@ __all__ = ["TorchReference"]
 
 
 class TorchReference:
-    """An HF causal LM loaded in FP32 on CPU, in eval mode.
+    """An HF causal LM loaded in FP32 on ``device`` (CPU by default; ``cuda`` for the CUDA engines), in eval mode.
+    Logits come back on the CPU in fp32 either way.
 
     ``logits(input_ids)`` runs rows in mini-batches of ``batch_size`` (a progress bar per call);
     ``generate_greedy(prompt_ids, n)`` prefills once and then feeds one token per step through the KV cache.
     """
 
-    def __init__(self, hf_dir: str | Path, *, batch_size: int = 4, threads: int | None = None):
+    def __init__(self, hf_dir: str | Path, *, batch_size: int = 4, threads: int | None = None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
         hf_dir = Path(hf_dir)
@@ -32,7 +33,8 @@ class TorchReference:
             torch.set_num_threads(threads)
         self.hf_dir = hf_dir
         self.batch_size = batch_size
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        self.device = torch.device(device)
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
         self.model.eval()
         self.config = self.model.config
 
@@ -46,9 +48,9 @@ class TorchReference:
         out = []
         with progress_bar(desc, ids.shape[0]) as advance:
             for s in range(0, ids.shape[0], self.batch_size):
-                m = None if mask is None else mask[s:s + self.batch_size]
-                out.append(self.model(input_ids=ids[s:s + self.batch_size], attention_mask=m,
-                                      use_cache=False).logits.float())
+                m = None if mask is None else mask[s:s + self.batch_size].to(self.device)
+                out.append(self.model(input_ids=ids[s:s + self.batch_size].to(self.device), attention_mask=m,
+                                      use_cache=False).logits.float().cpu())
                 advance(out[-1].shape[0])
         return torch.cat(out, 0)
 
@@ -58,7 +60,7 @@ class TorchReference:
         """Greedy continuation (new tokens only) using the model's KV cache."""
         from transformers import DynamicCache
 
-        ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         cache = DynamicCache(config=self.config)
         out: list[int] = []
         with progress_bar("reference greedy", max_new_tokens) as advance:
@@ -70,5 +72,5 @@ class TorchReference:
                 advance(1)
                 if eos_token_id is not None and nxt == eos_token_id:
                     break
-                step_in = torch.tensor([[nxt]], dtype=torch.long)
+                step_in = torch.tensor([[nxt]], dtype=torch.long, device=self.device)
         return out

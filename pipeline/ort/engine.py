@@ -23,6 +23,13 @@ Both layouts are driven through IO binding. The decode loop writes the next toke
 preallocated numpy buffers and reads the logits from a preallocated [B, 1, V] OrtValue. ``device`` picks where
 the KV buffers live (an OrtValue device: ``cpu``, or ``cuda`` with ``providers=["CUDAExecutionProvider"]``):
 the GPU path keeps the cache on the GPU with the same code.
+
+``cuda_graph=True`` (CUDA provider, shared layout): decode steps are captured once per batch size and cache
+capacity as a CUDA graph (ONNX Runtime's ``enable_cuda_graph``; run option ``gpu_graph_id`` picks the graph, -1
+runs the prefill without one) and replayed. A replay needs every bound buffer at a fixed address and shape, so the
+decode step binds ids [B, 1], the attention mask [B, capacity] (ones for each row's len + 1 positions: the op reads
+only the row sums as ``seqlens_k``; ``total_sequence_length`` is the capacity, which the shared buffer has) and
+the logits [B, 1, V] as device OrtValues allocated once and refreshed with ``update_inplace``.
 """
 
 from __future__ import annotations
@@ -120,7 +127,8 @@ class KVCache:
         self.lengths = np.zeros(batch, np.int64)   # tokens stored per row
         self.width = 0                              # positions used (= attention-mask width)
         shape = [batch, engine.num_kv_heads, capacity if self.layout == "shared" else 0, engine.head_dim]
-        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device, 0)
+        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device,
+                                                                   engine.device_id)
                        for _ in engine.past_names]
         self.mask = np.zeros((batch, 0), np.int64) if self.layout == "concat" else None
         self._io = None
@@ -144,17 +152,25 @@ class OrtEngine:
     """Generation runtime over a forge ONNX model dir (``model.onnx`` + external data + tokenizer files)."""
 
     def __init__(self, model_dir: str | os.PathLike, threads: int = 0, *, providers: Sequence[str] | None = None,
-                 device: str = "cpu", model_file: str | None = None, level: str = "all"):
+                 device: str = "cpu", model_file: str | None = None, level: str = "all", cuda_graph: bool = False,
+                 static_decode: bool | None = None, device_id: int = 0):
         self.model_dir = Path(model_dir)
         meta_f = self.model_dir / "forge_ort.json"
         self.meta: dict[str, Any] = json.loads(meta_f.read_text()) if meta_f.exists() else {}
         self.model_path = self.model_dir / (model_file or self.meta.get("model_file") or "model.onnx")
         if not self.model_path.exists():
             raise FileNotFoundError(f"no ONNX model at {self.model_path}")
-        self.threads, self.device = threads, device
+        self.threads, self.device, self.device_id = threads, device, int(device_id)
         self.options = session_options(threads, level)
-        self.session = ort.InferenceSession(str(self.model_path), self.options,
-                                            providers=list(providers or ["CPUExecutionProvider"]))
+        providers = list(providers or ["CPUExecutionProvider"])
+        self.cuda_graph = bool(cuda_graph)
+        if self.cuda_graph:
+            if "CUDAExecutionProvider" not in providers or device != "cuda":
+                raise ValueError("cuda_graph needs providers=['CUDAExecutionProvider'] and device='cuda'")
+        if "CUDAExecutionProvider" in providers:
+            opts = {"device_id": str(device_id), **({"enable_cuda_graph": "1"} if self.cuda_graph else {})}
+            providers = [("CUDAExecutionProvider", opts) if p == "CUDAExecutionProvider" else p for p in providers]
+        self.session = ort.InferenceSession(str(self.model_path), self.options, providers=providers)
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))
@@ -176,6 +192,14 @@ class OrtEngine:
         self._tokenizer = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
+        # fixed-shape decode (what a CUDA graph replays); on by itself with cuda_graph, testable on the CPU alone
+        self.static_decode = self.cuda_graph if static_decode is None else bool(static_decode)
+        if self.static_decode and self.layout != "shared":
+            raise ValueError("fixed-shape decode (cuda_graph) needs the shared-KV (GroupQueryAttention) graph")
+        self._static: dict[tuple[int, int], dict] = {}
+        self._prefill_opts = ort.RunOptions()
+        if self.cuda_graph:
+            self._prefill_opts.add_run_config_entry("gpu_graph_id", "-1")   # prefill shapes vary: no graph
 
     # ---- state ------------------------------------------------------------------------------------------------
     def cache(self, batch: int, capacity: int) -> KVCache:
@@ -246,13 +270,54 @@ class OrtEngine:
             io.bind_ortvalue_output("logits", logits_out[0])
         else:
             io.bind_output("logits", "cpu")
-        self.session.run_with_iobinding(io)
+        self.session.run_with_iobinding(io, self._prefill_opts)
         outs = io.get_outputs()   # in bind order: presents, then logits
         if cache.layout == "concat":
             cache.values = outs[:-1]
         logits = outs[-1]
         cache.lengths[:] = new_len
         return logits_out[1] if logits_out is not None else logits.numpy()
+
+    def decode_static(self, nxt: np.ndarray, cache: KVCache) -> np.ndarray:
+        """One decode step for every row through fixed-shape bound buffers (see the module doc): returns the
+        last-position logits [B, V]. With cuda_graph the first call per (batch, capacity) captures, later calls
+        replay."""
+        B, cap = cache.batch, cache.capacity
+        st = self._static.get((B, cap))
+        if st is None:
+            dev, i = self.device, self.device_id
+            st = {"ids": ort.OrtValue.ortvalue_from_shape_and_type([B, 1], np.int64, dev, i),
+                  "mask": ort.OrtValue.ortvalue_from_shape_and_type([B, cap], np.int64, dev, i),
+                  "logits": ort.OrtValue.ortvalue_from_shape_and_type([B, 1, self.vocab_size], self.logits_dtype,
+                                                                      dev, i),
+                  "mask_np": np.zeros((B, cap), np.int64), "opts": ort.RunOptions(), "io": {}}
+            if self.cuda_graph:
+                st["opts"].add_run_config_entry("gpu_graph_id", str(len(self._static) + 1))
+            self._static[(B, cap)] = st
+        io = st["io"].get(id(cache))
+        if io is None:   # bound once per cache: KV, ids, mask and logits never move
+            io = self.session.io_binding()
+            for name, pname, v in zip(self.past_names, self.present_names, cache.values):
+                io.bind_ortvalue_input(name, v)
+                io.bind_ortvalue_output(pname, v)
+            io.bind_ortvalue_input("input_ids", st["ids"])
+            io.bind_ortvalue_input("attention_mask", st["mask"])
+            io.bind_ortvalue_output("logits", st["logits"])
+            st["io"] = {id(cache): io}
+        new_len = cache.lengths + 1
+        if int(new_len.max()) > cap:
+            raise ValueError(f"KV cache of {cap} positions is full")
+        np.less(np.arange(cap)[None, :], new_len[:, None], out=st["mask_np"], casting="unsafe")
+        st["ids"].update_inplace(np.ascontiguousarray(nxt.reshape(B, 1), dtype=np.int64))
+        st["mask"].update_inplace(st["mask_np"])
+        if self.cuda_graph:
+            io.synchronize_inputs()
+        self.session.run_with_iobinding(io, st["opts"])
+        if self.cuda_graph:
+            io.synchronize_outputs()
+        cache.lengths[:] = new_len
+        cache.width = cap
+        return st["logits"].numpy()[:, -1]
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def logits(self, input_ids: Any, attention_mask: Any | None = None, *, batch_size: int = 0,
@@ -344,6 +409,9 @@ class OrtEngine:
                 advance(1)
                 if done.all():
                     break
+                if self.static_decode:
+                    last = self.decode_static(nxt, cache)
+                    continue
                 step_ids[:, 0] = nxt
                 last = self.forward(step_ids, ones, cache, logits_out=logits_v, mask_buf=mask_buf)[:, -1]
         return out

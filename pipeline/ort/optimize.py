@@ -20,9 +20,12 @@ from pipeline.errors import ForgeError, StageFailed
 from .engine import OrtEngine, session_options
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 
-__all__ = ["optimize", "LEVELS"]
+__all__ = ["optimize", "LEVELS", "PROVIDERS"]
 
 LEVELS = ("disable", "basic", "extended", "all")
+# build.onnxruntime.provider -> the session's provider list (CUDA only: a node CUDA cannot run would otherwise fall
+# back to the CPU silently, with copies on every step; ORT then fails the session, which is what we want)
+PROVIDERS = {"cpu": ["CPUExecutionProvider"], "cuda": ["CUDAExecutionProvider"]}
 
 
 def _op_counts(path: Path) -> dict[str, int]:
@@ -39,10 +42,11 @@ QUANTIZED_MIN_COSINE = 0.99
 
 
 def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended", threads: int = 2,
-             check_atol: float = 1e-3, check_ids: np.ndarray | None = None) -> dict:
+             check_atol: float = 1e-3, check_ids: np.ndarray | None = None, provider: str = "cpu") -> dict:
     """Optimise ``in_dir/model.onnx`` with ORT at ``level`` into ``out_dir`` and check it still computes the same
     logits (max abs difference <= ``check_atol`` on a fixed input). Returns metrics incl. op counts and the
-    session options to run it with."""
+    session options to run it with. ``provider`` ``cuda``: optimised for and checked on the CUDA provider (the saved
+    graph may hold CUDA-only fusions), the KV cache on the GPU."""
     import onnxruntime as ort
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -60,25 +64,28 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     so = session_options(threads, level, optimized_path=str(dst))
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", MODEL_FILE + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    providers = PROVIDERS[provider]
+    ort.InferenceSession(str(src), so, providers=providers)
     opt_s = time.time() - t0
     copy_side_files(in_dir, out_dir)
     meta = json.loads((in_dir / META_FILE).read_text()) if (in_dir / META_FILE).exists() else {}
     meta["optimization"] = {"level": level, "threads": threads, "onnxruntime": ort.__version__,
-                            "providers": ["CPUExecutionProvider"]}
+                            "providers": providers}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
 
     # The optimised graph must compute what its input graph computes.
     vocab = int(meta.get("vocab_size") or 2)
-    quantized = (meta.get("quantization") or {}).get("algo", "none") != "none"
+    # quantized or fp16 (fused fp16 kernels accumulate in another order): held to the direction check
+    quantized = (meta.get("quantization") or {}).get("algo", "none") != "none" or meta.get("dtype") == "fp16"
     ids = check_ids if check_ids is not None else np.random.default_rng(0).integers(0, vocab, size=(2, 16))
-    a = OrtEngine(in_dir, threads=threads, level="disable").logits(ids)
-    b = OrtEngine(out_dir, threads=threads, level="disable").logits(ids)
+    run = {"providers": providers, "device": "cuda" if provider == "cuda" else "cpu"}
+    a = OrtEngine(in_dir, threads=threads, level="disable", **run).logits(ids)
+    b = OrtEngine(out_dir, threads=threads, level="disable", **run).logits(ids)
     diff = float(np.abs(a - b).max())
     af, bf = a.reshape(-1, a.shape[-1]).astype(np.float64), b.reshape(-1, b.shape[-1]).astype(np.float64)
     cosine = float(np.mean(np.sum(af * bf, -1) / (np.linalg.norm(af, axis=-1) * np.linalg.norm(bf, axis=-1))))
     metrics = {"level": level, "threads": threads, "optimize_s": round(opt_s, 2), "check_max_abs": diff,
-               "check_cosine": cosine, "check": "cosine" if quantized else "max_abs",
+               "check_cosine": cosine, "check": "cosine" if quantized else "max_abs", "provider": provider,
                "ops_before": _op_counts(src), "ops_after": _op_counts(dst), "model_bytes": model_bytes(out_dir),
                "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
                                    "graph_optimization_level": level}}

@@ -46,6 +46,10 @@ class EvaluateBase(Stage):
         """Machine facts recorded with the metrics when they depend on this machine's CPU (None: they do not)."""
         return None
 
+    def reference_device(self, r) -> str:
+        """Where the FP32 torch reference runs: the CPU, unless the candidate runs on a GPU."""
+        return "cpu"
+
     def candidate(self, ctx: StageContext):
         """An object with .logits(input_ids[B,T]) -> [B,T,V] and .generate(prompt_ids, n, greedy=True); a .close(),
         if it has one, is called once when the evaluation ends."""
@@ -62,7 +66,7 @@ class EvaluateBase(Stage):
 
     def _evaluate(self, ctx: StageContext, cand) -> dict:
         mdir = model_dir(ctx)
-        ref = TorchReference(mdir)
+        ref = TorchReference(mdir, device=self.reference_device(ctx.recipe))
         per_set = {}
         total = LogitsComparer()
         for e in ctx.recipe.validate_.eval:

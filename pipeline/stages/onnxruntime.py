@@ -12,6 +12,57 @@ from .package import PackageStage
 ORT_TOOLS = ("onnx", "onnxruntime")
 
 
+# ---- build.onnxruntime.provider: cuda -- the stages that run the engine run on the GPU and their keys name it
+def on_cuda(r) -> bool:
+    return r.build.onnxruntime.provider == "cuda"
+
+
+def cuda_missing(r) -> str | None:
+    """Why this machine cannot run a CUDA-provider stage (None when it can)."""
+    if not on_cuda(r):
+        return None
+    from ..env import ort_cuda_status
+    return ort_cuda_status()["problem"]
+
+
+def cuda_finish_hint(r, stage: str) -> str:
+    return (f"FORGE_CACHE=<this cache> forge build {r.name} --from {stage}  (on a machine with an NVIDIA GPU and "
+            "onnxruntime-gpu whose CUDA libraries are on LD_LIBRARY_PATH; `forge doctor` says what it finds; "
+            "scripts/gpu_ort_run.py does it all)")
+
+
+def cuda_tools(comps: dict) -> dict:
+    """The onnxruntime that runs a CUDA stage is onnxruntime-gpu (same module name as the CPU wheel, and both may be
+    installed): the key records the version of the module actually imported and the GPU wheel's distribution."""
+    from ..env import tool_version
+    try:
+        import onnxruntime as ort
+        comps["tools"]["onnxruntime"] = ort.__version__
+    except Exception:  # noqa: BLE001 - absent: the stage cannot run here anyway
+        pass
+    comps["tools"]["onnxruntime-gpu"] = tool_version("onnxruntime-gpu") or "absent"
+    return comps
+
+
+class CudaAware:
+    """build / evaluate / package of a recipe with build.onnxruntime.provider: cuda: keyed by the GPU, need a usable
+    CUDA provider (exit 3 with the command to finish elsewhere)."""
+
+    def hardware(self, r):
+        from ..env import cuda_hardware
+        return cuda_hardware() if on_cuda(r) else super().hardware(r)
+
+    def missing(self, r):
+        return cuda_missing(r) or super().missing(r)
+
+    def finish_hint(self, r):
+        return cuda_finish_hint(r, self.name) if on_cuda(r) else super().finish_hint(r)
+
+    def components(self, r, home, upstream):
+        comps = super().components(r, home, upstream)
+        return cuda_tools(comps) if on_cuda(r) else comps
+
+
 class OrtExport(Stage):
     """HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity."""
     name = "export"
@@ -101,7 +152,7 @@ class OrtQuantize(Stage):
         return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=ort_options(q))
 
 
-class OrtBuildStage(Stage):
+class OrtBuildStage(CudaAware, Stage):
     """ONNX Runtime graph optimisations applied and saved, session options recorded."""
     name = "build"
     version = "1"
@@ -109,14 +160,22 @@ class OrtBuildStage(Stage):
     tools = ORT_TOOLS
     section = "build.onnxruntime"
 
+    def config(self, r):
+        return r.build.onnxruntime.build_config()   # CPU recipes' keys as before provider/precision existed
+
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
 
     def hardware(self, r):
+        if on_cuda(r):   # the graph the CUDA provider optimised (fusions) for this GPU
+            return super().hardware(r)
         # ORT's optimiser consults the CPU's kernels (e.g. rewrites for machines whose u8s8 GEMM saturates)
         return cpu_isa_hardware()
 
     def run(self, ctx: StageContext) -> dict:
+        import shutil
+        import tempfile
+
         import numpy as np
         from .. import data as datasets
         from ..ort.optimize import optimize
@@ -124,10 +183,22 @@ class OrtBuildStage(Stage):
         # check on real text (our own prompt list): random ids give atypical activations to quantized graphs
         tok = tokenizer(str(model_dir(ctx)))
         ids = np.array([sum((tok(p, add_special_tokens=False)["input_ids"] for p in datasets.load_prompts()), [])])
-        return optimize(ctx.inputs["quantize"], ctx.out, level=b.opt_level, threads=b.intra_op_threads, check_ids=ids)
+        src, fp16 = ctx.inputs["quantize"], {}
+        tmp = tempfile.mkdtemp(prefix=".fp16-", dir=ctx.out.parent) if b.precision == "fp16" else None
+        try:
+            if tmp:   # fp16: converted here, then optimised by the provider it runs on
+                from ..ort.fp16 import convert_fp16
+                fp16 = convert_fp16(src, tmp)
+                src = tmp
+            metrics = optimize(src, ctx.out, level=b.opt_level, threads=b.intra_op_threads, check_ids=ids,
+                               provider=b.provider)
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {**metrics, "precision": b.precision, **({"fp16": fp16} if fp16 else {})}
 
 
-class OrtEvaluate(EvaluateBase):
+class OrtEvaluate(CudaAware, EvaluateBase):
     """ONNX Runtime engine vs FP32 torch: perplexity, top-1, logits, greedy generation."""
     name = "evaluate"
     version = "2"   # 2: keyed by the CPU's ISA class, metrics record the CPU they were measured on
@@ -135,7 +206,15 @@ class OrtEvaluate(EvaluateBase):
     tools = ("torch", "transformers", "onnxruntime")
     subject = "onnxruntime engine"
 
+    def config(self, r):
+        cfg = super().config(r)
+        if on_cuda(r):   # CPU recipes keep their keys
+            cfg["provider"], cfg["cuda_graph"] = "cuda", r.build.onnxruntime.cuda_graph
+        return cfg
+
     def hardware(self, r):
+        if on_cuda(r):
+            return super().hardware(r)
         # ONNX Runtime's int8 kernels compute different numbers per ISA class (pipeline/env.py)
         return cpu_isa_hardware()
 
@@ -143,20 +222,35 @@ class OrtEvaluate(EvaluateBase):
         from ..env import cpu_facts
         return cpu_facts()
 
+    def reference_device(self, r):
+        if on_cuda(r):
+            import torch
+            if torch.cuda.is_available():   # the FP32 reference on the same GPU
+                return "cuda"
+        return "cpu"
+
     def candidate(self, ctx):
         from ..ort.engine import OrtEngine
-        return OrtEngine(ctx.inputs["build"], threads=ctx.recipe.build.onnxruntime.intra_op_threads)
+        b = ctx.recipe.build.onnxruntime
+        if b.provider == "cuda":
+            return OrtEngine(ctx.inputs["build"], providers=["CUDAExecutionProvider"], device="cuda",
+                             cuda_graph=b.cuda_graph)
+        return OrtEngine(ctx.inputs["build"], threads=b.intra_op_threads)
 
 
-class OrtPackage(PackageStage):
+class OrtPackage(CudaAware, PackageStage):
     """Triton model repository (ensemble text in / text out) + manifest.json."""
-    version = "4"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on
+    version = "5"   # 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on; 5: engine module with fixed-shape / CUDA-graph decode; provider cuda: KIND_GPU, the python model on the CUDA provider
     tools = ORT_TOOLS
 
     def write_repository(self, ctx, evaluation):
         from ..triton.repo_onnxruntime import write_onnxruntime_repo
         res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                      recipe=ctx.recipe.to_dict(), metrics=evaluation)
+        if on_cuda(ctx.recipe):
+            from ..env import cuda_hardware
+            b = ctx.recipe.build.onnxruntime
+            return res, cuda_hardware(), {"provider": b.provider, "precision": b.precision, "cuda_graph": b.cuda_graph}
         return res, "cpu", {}
 
     def manifest_extra(self, ctx):

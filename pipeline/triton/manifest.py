@@ -33,6 +33,11 @@ def current_env() -> dict:
 
     tools = tool_versions(TOOLS)
     tools["forge"] = tools["forge"] or __version__
+    try:   # the onnxruntime that is imported (onnxruntime-gpu and the CPU wheel may both be installed, one module)
+        import onnxruntime
+        tools["onnxruntime"] = onnxruntime.__version__
+    except Exception:  # noqa: BLE001 - absent or broken: as the distributions say
+        pass
     found = gpus()
     return {"tools": tools, "gpus": found, "gpu_sms": sorted({g["sm"] for g in found}),
             "python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
@@ -99,7 +104,13 @@ def write_manifest(repo_dir, info: dict) -> Path:
     if engine not in ENGINE_BOUND:
         raise ForgeError(f"manifest engine {engine!r} is not one of {sorted(ENGINE_BOUND)}")
     env = current_env()
-    if engine == "onnxruntime":
+    target = info.get("target")
+    if engine == "onnxruntime" and isinstance(target, str) and target.startswith("cuda:"):
+        # build.onnxruntime.provider: cuda -- "cuda:sm_90:NVIDIA H200" (pipeline.env.cuda_hardware)
+        _, sm, name = (target.split(":", 2) + ["", ""])[:3]
+        hardware = {"kind": "gpu", "provider": "cuda", "machine": env["machine"], "gpu": name,
+                    "sm": int(sm[3:]) if sm[3:].isdigit() else None}
+    elif engine == "onnxruntime":
         # the CPU the engine's evaluation (and so its validation) was measured on; this machine's when not recorded
         measured = (info.get("metrics") or {}).get("measured_on") or cpu_facts()
         hardware = {"kind": "cpu", "machine": env["machine"], "validated_isa_class": measured["isa_class"],
@@ -213,6 +224,10 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
         arch = _obj(m.get("hardware")).get("machine")
         if arch and env.get("machine") and arch != env["machine"]:
             problems.append(f"the engine was built on {arch}, this machine is {env['machine']}; rebuild it here")
+        if _obj(m.get("hardware")).get("provider") == "cuda" and not env.get("gpu_sms"):
+            problems.append("no NVIDIA GPU found here; the engine was built and validated for ONNX Runtime's CUDA "
+                            f"provider on {_obj(m.get('hardware')).get('gpu') or 'a GPU'}: deploy it on a GPU machine "
+                            "with onnxruntime-gpu")
     else:
         sm = _obj(m.get("hardware")).get("sm")
         sms = env.get("gpu_sms") or []

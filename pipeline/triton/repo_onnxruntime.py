@@ -79,7 +79,13 @@ def graph_file(engine_dir: Path) -> Path:
     return onnx_files[0]
 
 
-def graph_config(onnx_path: Path, *, threads: int = 0) -> dict:
+def instance_kind(recipe: dict) -> str:
+    """KIND_GPU for a package built for the CUDA provider (build.onnxruntime.provider: cuda), else KIND_CPU."""
+    b = (((recipe or {}).get("build") or {}).get("onnxruntime") or {})
+    return "KIND_GPU" if b.get("provider") == "cuda" else "KIND_CPU"
+
+
+def graph_config(onnx_path: Path, *, threads: int = 0, kind: str = "KIND_CPU") -> dict:
     """Plain ``backend: "onnxruntime"`` config with inputs/outputs read from the graph (no batching:
     KV-cache tensors of different requests do not stack, so max_batch_size is 0 and dims are full)."""
     import onnx
@@ -101,7 +107,7 @@ def graph_config(onnx_path: Path, *, threads: int = 0) -> dict:
     cfg = {"name": GRAPH_MODEL, "backend": "onnxruntime", "max_batch_size": 0,
            "default_model_filename": onnx_path.name,
            "input": io([v for v in model.graph.input if v.name not in init]), "output": io(model.graph.output),
-           "instance_group": [{"count": 1, "kind": "KIND_CPU"}]}
+           "instance_group": [{"count": 1, "kind": kind}]}
     if threads:
         cfg["parameters"] = params(intra_op_thread_count=threads)
     return cfg
@@ -149,15 +155,18 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
     # the engine files, once: in the graph model's version folder
     gdir = out / GRAPH_MODEL / "1"
     shutil.copytree(engine_dir, gdir)
-    write_config(out / GRAPH_MODEL, graph_config(onnx_path, threads=threads))
+    kind = instance_kind(recipe)
+    b = (((recipe or {}).get("build") or {}).get("onnxruntime") or {})
+    gpu = {"provider": "cuda", "cuda_graph": "1" if b.get("cuda_graph") else "0"} if kind == "KIND_GPU" else {}
+    write_config(out / GRAPH_MODEL, graph_config(onnx_path, threads=threads, kind=kind))
 
     eng = {"name": ENGINE_MODEL, "backend": "python", "max_batch_size": mbs,
            "dynamic_batching": {"max_queue_delay_microseconds": int(opts["max_queue_delay_microseconds"])},
            "input": [tensor(n, dt, dims, optional=o) for n, dt, dims, o in templates.ENGINE_INPUTS],
            "output": [tensor(n, dt, dims) for n, dt, dims in templates.ENGINE_OUTPUTS],
            "parameters": params(engine_dir=f"../{GRAPH_MODEL}/1", engine_module="forge_ort_engine", engine_class="OrtEngine",
-                                intra_op_threads=threads, max_new_tokens=max_new_tokens),
-           "instance_group": [{"count": inst, "kind": "KIND_CPU"}]}
+                                intra_op_threads=threads, max_new_tokens=max_new_tokens, **gpu),
+           "instance_group": [{"count": inst, "kind": kind}]}
     write_config(out / ENGINE_MODEL, eng)
     templates.copy_python_model("ort_llm", out / ENGINE_MODEL, {"forge_ort_engine.py": module})
 
@@ -169,4 +178,5 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
     parse_all_configs(out)
     return {"target": "onnxruntime", "repo_dir": str(out), "models": sorted(models), "engine_model": ENGINE_MODEL,
             "graph_model": GRAPH_MODEL, "graph_file": onnx_path.name, "triton": opts, "intra_op_threads": threads,
+            "instance_kind": kind, "provider": "cuda" if gpu else "cpu",
             "metrics": dict(metrics or {})}

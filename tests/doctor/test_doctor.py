@@ -68,6 +68,16 @@ class Util:
         self.gpu = gpu
 
 
+
+@pytest.fixture(autouse=True)
+def _ort_cuda_healthy(monkeypatch):
+    """The scenarios here inject NVML/host/version facts; onnxruntime's CUDA provider is injected as healthy too
+    (its own findings are tested in tests/ort/test_cuda.py), so this machine's onnxruntime does not leak in."""
+    import pipeline.env
+    monkeypatch.setattr(pipeline.env, "ort_cuda_status", lambda: {
+        "onnxruntime": "1.31.1", "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+        "cuda_provider": True, "problem": None})
+
 def healthy(**over):
     g = {"Name": "NVIDIA H100 80GB HBM3", "CudaComputeCapability": (9, 0), "MemoryInfo": Mem(85520809984, 5 * 2**20),
          "CurrPcieLinkGeneration": 5, "MaxPcieLinkGeneration": 5, "GpuMaxPcieLinkGeneration": 5,

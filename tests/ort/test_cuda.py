@@ -71,7 +71,8 @@ def test_plan_says_cuda_build_cannot_run_here_with_the_finish_command(tmp_path):
     # the CUDA stages' keys name the GPU, not the CPU; the CPU recipe's stay on the CPU
     assert stages["build"].hardware(r).startswith("cuda:")
     assert stages["build"].hardware(resolve("smollm2-135m-int8")).startswith("cpu:")
-    assert stages["evaluate"].hardware(resolve("smollm2-135m-int8")) == "any"
+    assert stages["evaluate"].hardware(resolve("smollm2-135m-int8")).startswith("cpu:")
+    assert stages["evaluate"].hardware(r).startswith("cuda:") and stages["package"].hardware(r).startswith("cuda:")
 
 
 def test_cuda_hardware_names_the_gpu(monkeypatch):

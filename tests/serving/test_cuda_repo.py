@@ -31,3 +31,18 @@ def test_cpu_package_unchanged(tiny_artifacts, tmp_path):
     cfg = parse_config(out / ENGINE_MODEL / "config.pbtxt")
     assert summary["instance_kind"] == "KIND_CPU"
     assert cfg.instance_group[0].kind == cfg.instance_group[0].KIND_CPU and "provider" not in cfg.parameters
+
+
+def test_cuda_manifest_names_the_gpu_and_deploy_needs_one(tiny_artifacts, tmp_path):
+    """The package stage's target for a cuda recipe (pipeline.env.cuda_hardware) becomes a GPU hardware record;
+    verify-deploy refuses a machine without a GPU and accepts one with it."""
+    from pipeline.triton.manifest import current_env, read_manifest, verify_deploy, write_manifest
+    out, summary = _repo(tiny_artifacts, tmp_path, "cuda")
+    write_manifest(out, {"target": "cuda:sm_90:NVIDIA H200", "recipe": {"name": "tiny-cuda"}, "repository": summary,
+                         "build": {"provider": "cuda", "precision": "fp16"}})
+    hw = read_manifest(out)["hardware"]
+    assert hw["kind"] == "gpu" and hw["provider"] == "cuda" and hw["sm"] == 90 and hw["gpu"] == "NVIDIA H200"
+    no_gpu = {**current_env(), "gpus": [], "gpu_sms": []}
+    assert any("no NVIDIA GPU found here" in p and "CUDA provider" in p for p in verify_deploy(out, no_gpu))
+    with_gpu = {**current_env(), "gpus": [{"index": 0, "name": "NVIDIA H200", "sm": 90}], "gpu_sms": [90]}
+    assert verify_deploy(out, with_gpu) == []

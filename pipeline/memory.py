@@ -250,8 +250,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     n_slide = info.sliding_layers_in(layers)
     win = info.sliding_window
     if n_slide and win and win < max_seq_len:
-        # A sliding-window layer keeps only the last `window` tokens when the runtime sets its
-        # max_attention_window_size (TensorRT-LLM's variable sliding-window KV cache).
+        # A sliding-window layer keeps only the last `window` tokens: forge sets the runtime's per-layer
+        # max_attention_window_size (TensorRT-LLM's variable sliding-window KV cache; families.attention_windows).
         per_layer = kvr * hd * 2 * kvb
         win_blocks = math.ceil(win / tokens_per_block)
         kv_contig = per_layer * max_batch_size * ((layers - n_slide) * max_seq_len + n_slide * win)
@@ -270,7 +270,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                      f"KV head (the KV cache does not shrink with tp beyond {info.num_kv_heads})")
     if n_slide and win and win < max_seq_len:
         notes.append(f"{n_slide} of {layers} layers use a {win}-token sliding window: their KV cache holds {win} "
-                     f"tokens per sequence, provided the runtime sets max_attention_window_size per layer")
+                     f"tokens per sequence (forge sets max_attention_window_size per layer in the Triton "
+                     f"repository and the evaluate runtime)")
     if parallel_embedding and tp > 1:
         notes.append(f"embedding split over the {tp} TP ranks (use_parallel_embedding, as forge's checkpoints set "
                      f"it): {math.ceil(info.vocab_size / tp)} rows each")

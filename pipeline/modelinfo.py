@@ -115,5 +115,11 @@ class ModelInfo:
     @classmethod
     def bundled(cls, name: str) -> "ModelInfo | None":
         """Public config shipped with forge for ``name`` (e.g. 'Qwen/Qwen2.5-7B-Instruct'), or None."""
-        f = BUNDLED / (name.replace("/", "--") + ".json")
-        return cls.from_hf_config(json.loads(f.read_text())) if f.exists() else None
+        cfg = bundled_config(name)
+        return cls.from_hf_config(cfg) if cfg is not None else None
+
+
+def bundled_config(name: str) -> dict | None:
+    """The HF config.json shipped with forge for ``name`` (e.g. 'mistralai/Mistral-7B-v0.1'), or None."""
+    f = BUNDLED / (name.replace("/", "--") + ".json")
+    return json.loads(f.read_text()) if f.exists() else None

@@ -208,6 +208,7 @@ class EngineCandidate:
 class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
     """TensorRT-LLM engine (its runtime) vs FP32 torch."""
     name = "evaluate"
+    version = "2"   # 2: the runner gets the engine's per-layer max_attention_window_size (Mistral / Gemma 3)
     needs = ("build", "source")
     tools = TRTLLM_TOOLS + ("torch", "transformers")
     subject = "tensorrt_llm engine"
@@ -218,7 +219,7 @@ class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
 
 class TrtllmPackage(OnTrtllmGpu, PackageStage):
     """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
-    version = "3"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest)
+    version = "4"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3)
     tools = TRTLLM_TOOLS
 
     def gpus(self, r):

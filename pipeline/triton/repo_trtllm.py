@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.errors import ForgeError, RecipeError
+from pipeline.trtllm.families import engine_attention_windows
 from pipeline.triton import templates
 from pipeline.triton.pbtxt import params, parse_all_configs, parse_config, tensor, to_pbtxt, write_config
 
@@ -78,6 +79,9 @@ def engine_facts(engine_build: dict) -> dict:
         # trtllm-build's default is off; the recipe section says it explicitly (TrtllmBuild.gather_context_logits)
         "gather_context_logits": bool(pick("gather_context_logits", False)),
         "logits_dtype": pretrained.get("logits_dtype") or pick("logits_dtype"),
+        # per-layer sliding windows (Mistral, Gemma 3) from the engine's own config; None without a window shorter
+        # than max_seq_len, and for the recipe section (no pretrained_config)
+        "attention_windows": engine_attention_windows(engine_build),
     }
 
 
@@ -154,6 +158,12 @@ def tensorrt_llm_config(t: dict, e: dict, engine_dir: str) -> dict:
     )
     if world > 1:
         p["participant_ids"] = ",".join(str(r) for r in range(world))
+    if e.get("attention_windows"):
+        # getKvCacheConfigFromParams reads GetParameter<std::vector<int32_t>>("max_attention_window_size")
+        # (model_instance_state.cc @ c8c6df08), which is utils::csvStrToVecInt of the string (model_state.cc @
+        # 5cdd6921; utils.cc @ c8c6df08: comma-separated ints, whitespace skipped, empty throws -> caught, unset)
+        # into KvCacheConfig's maxAttentionWindowVec: one entry per layer, cycled when shorter (trtGptModel.h).
+        p["max_attention_window_size"] = ",".join(str(w) for w in e["attention_windows"])
     inputs = [tensor(n, dt, dims, optional=o) for n, dt, dims, o in templates.ENGINE_INPUTS]
     inputs += [tensor(n, dt, dims, optional=True) for n, dt, dims in _EXTRA_INPUTS]
     for i in inputs:  # per-request scalars reach the backend as scalars

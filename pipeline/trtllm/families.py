@@ -15,8 +15,8 @@ without a resolvable commit are cited by their index id, as in shared/docs/trtll
   "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}`` for Llama 3.x), ``attn_bias`` =
   HF ``bias`` or ``attention_bias``. LLaMAConfig has no sliding-window field: Mistral's window is a runtime
   setting of the engine (``max_attention_window_size``), so forge writes ``sliding_window`` into config.json
-  (PretrainedConfig keeps unknown keys as attributes, "Implicitly setting ...") for the reference and the
-  Triton repository to read.
+  (PretrainedConfig keeps unknown keys as attributes, "Implicitly setting ...") for the reference, the
+  Triton repository and the evaluate runtime to read (:func:`attention_windows` turns it into the per-layer list).
 * Qwen3: ``QWenConfig.from_hugging_face`` sets ``attn_bias = False`` for qwen3/qwen3_moe (index id 14645444);
   ``QWenDecoderLayer`` builds ``Attention(qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe'))`` (index id
   54584513530), and the converter writes HF ``self_attn.q_norm`` / ``k_norm`` as
@@ -123,3 +123,37 @@ def sliding_layers(cfg: dict) -> list[bool]:
     if cfg.get("architecture") == "Gemma3ForCausalLM" and pat:
         return [bool((i + 1) % int(pat)) for i in range(L)]   # GemmaDecoderLayer.is_sliding
     return [True] * L                                         # Mistral: every layer
+
+
+def attention_windows(cfg: dict, max_seq_len: int) -> list[int] | None:
+    """Per-layer ``max_attention_window_size`` for a TensorRT-LLM checkpoint / engine ``pretrained_config``: the
+    window on sliding layers, ``max_seq_len`` on the others, each capped at ``max_seq_len``. None when no layer's
+    window is shorter than ``max_seq_len``: the runtime's default (every layer attends to ``max_seq_len``) is
+    then already what the model means, and the setting stays unset.
+
+    The runtime caps each entry at the engine's max_seq_len itself (with a warning) and cycles a list shorter than
+    the layer count (``TrtGptModel`` ctor, cpp/tensorrt_llm/batch_manager/trtGptModel.h @ c8c6df08bd0e:
+    ``std::min(maxAttenWin, mMaxSequenceLen)``, ``TLLM_CHECK ... must be > 0``, ``numRepeatsAttenWindow``); forge
+    writes one capped entry per layer so the list says exactly what runs.
+    """
+    win = cfg.get("sliding_window")
+    if not win or "num_hidden_layers" not in cfg:
+        return None
+    cap = int(max_seq_len)
+    slide = sliding_layers(cfg)
+    if not any(slide) or int(win) >= cap:
+        return None
+    return [int(win) if s else cap for s in slide]
+
+
+def engine_attention_windows(engine_config: dict) -> list[int] | None:
+    """:func:`attention_windows` of a ``trtllm-build`` engine ``config.json`` (``pretrained_config`` carries forge's
+    window fields through PretrainedConfig's extra keys; ``build_config.max_seq_len`` is the engine's limit)."""
+    pretrained = engine_config.get("pretrained_config") or {}
+    if not pretrained.get("sliding_window"):
+        return None
+    max_seq_len = (engine_config.get("build_config") or {}).get("max_seq_len")
+    if not max_seq_len:
+        raise ForgeError("engine config.json: pretrained_config has a sliding_window but build_config has no "
+                         "max_seq_len; rebuild the engine with trtllm-build (it always writes max_seq_len)")
+    return attention_windows(pretrained, int(max_seq_len))

@@ -97,13 +97,33 @@ class Runner:
         self.runner.session.shutdown()
 
 
+def runner_options(engine_dir: str | Path) -> dict:
+    """``ModelRunnerCpp.from_dir`` keywords beyond engine_dir / rank, from the engine's own config.json.
+
+    No KV-cache reuse (every window is new text). Sliding windows (Mistral, Gemma 3) are a runtime setting:
+    ``max_attention_window_size`` is a per-layer ``list[int]`` in the Executor-based ``from_dir`` (TensorRT-LLM
+    1.x tensorrt_llm/runtime/model_runner_cpp.py: ``max_attention_window_size: Optional[list[int]] = None`` ->
+    ``trtllm.KvCacheConfig(max_attention_window=max_attention_window_size, ...)``; NVIDIA's own stored copy of that
+    file is the 0.x GptSession one, so read from the upstream file as carried by ymweiss/TensorRT-LLM @ 31dda7bb and
+    anand-nv/TensorRT-LLM @ 2d11190d), bound as ``std::optional<std::vector<SizeType32>>`` (NVIDIA/TensorRT-LLM
+    cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp @ c40f1157, ``nb::arg("max_attention_window")``).
+    Without it the engine attends to the whole context and differs from HF beyond the window.
+    """
+    from .families import engine_attention_windows
+    opts: dict = {"kv_cache_enable_block_reuse": False}
+    windows = engine_attention_windows(json.loads((Path(engine_dir) / "config.json").read_text()))
+    if windows:
+        opts["max_attention_window_size"] = windows
+    return opts
+
+
 def load_runner(engine_dir: str | Path) -> Runner:
-    """Load this MPI rank's engine once (engine limits; no KV-cache reuse: every window is new text)."""
+    """Load this MPI rank's engine once (engine limits; :func:`runner_options`)."""
     _require()
     import tensorrt_llm
     from tensorrt_llm.runtime import ModelRunnerCpp
     return Runner(ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), rank=tensorrt_llm.mpi_rank(),
-                                          kv_cache_enable_block_reuse=False))
+                                          **runner_options(engine_dir)))
 
 
 def run_request(runner, req: dict) -> dict:

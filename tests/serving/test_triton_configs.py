@@ -7,7 +7,7 @@ import pytest
 
 from pipeline.errors import ForgeError, RecipeError
 from pipeline.triton.pbtxt import config_from_dict, parse_all_configs, parse_config
-from pipeline.triton.repo_trtllm import check_triton_vs_engine, relocate_repo, write_trtllm_repo
+from pipeline.triton.repo_trtllm import check_triton_vs_engine, engine_facts, relocate_repo, write_trtllm_repo
 
 ENGINE_CFG = {  # shape of a trtllm-build config.json (only the keys forge reads)
     "pretrained_config": {"architecture": "LlamaForCausalLM", "mapping": {"world_size": 2, "tp_size": 2, "pp_size": 1}},
@@ -181,3 +181,27 @@ def test_trtllm_config_carries_the_parameters_read_without_fallback(trtllm_repo)
     for key in ("gpt_model_type", "tokenizer_dir", "xgrammar_tokenizer_info_path", "guided_decoding_backend"):
         assert key in p, key
     assert p["guided_decoding_backend"].string_value == "" and "FORCE_CPU_ONLY_INPUT_TENSORS" not in p
+
+
+@pytest.mark.parametrize("pretrained,expect", [
+    # Gemma 3: global every 3rd layer (max_seq_len 2048 there), window 512 on the others
+    ({"architecture": "Gemma3ForCausalLM", "num_hidden_layers": 6, "sliding_window": 512, "_sliding_window_pattern": 3},
+     "512,512,2048,512,512,2048"),
+    ({"architecture": "MistralForCausalLM", "num_hidden_layers": 3, "sliding_window": 1024}, "1024,1024,1024"),
+    ({"architecture": "MistralForCausalLM", "num_hidden_layers": 3, "sliding_window": 4096}, None),  # >= max_seq_len
+    ({"architecture": "LlamaForCausalLM", "num_hidden_layers": 3}, None),
+])
+def test_trtllm_config_sets_attention_windows_from_the_engine(tiny_artifacts, tmp_path, pretrained, expect):
+    cfg = {**ENGINE_CFG, "pretrained_config": {**pretrained, "mapping": ENGINE_CFG["pretrained_config"]["mapping"]}}
+    eng = tmp_path / "engine"
+    eng.mkdir()
+    (eng / "config.json").write_text(json.dumps(cfg))
+    write_trtllm_repo(tmp_path / "repo", engine_dir=eng, tokenizer_dir=tiny_artifacts["tokenizer_dir"],
+                      engine_config=cfg, triton={"gpu_device_ids": [0, 1]})
+    p = parse_config(tmp_path / "repo" / "tensorrt_llm" / "config.pbtxt").parameters
+    if expect is None:
+        assert "max_attention_window_size" not in p
+    else:
+        assert p["max_attention_window_size"].string_value == expect
+    # the recipe's build section has no pretrained config: plan-time facts carry no windows
+    assert engine_facts({"tp": 2, "max_seq_len": 2048})["attention_windows"] is None

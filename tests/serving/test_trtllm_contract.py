@@ -11,7 +11,9 @@ import pytest
 from google.protobuf import json_format
 
 import trtllm_backend_contract as contract
+from pipeline.modelinfo import ModelInfo, bundled_config
 from pipeline.recipe import list_recipes, resolve
+from pipeline.trtllm.checkpoint import apply_config_fixups
 from pipeline.triton.pbtxt import parse_all_configs, parse_config
 from pipeline.triton.repo_trtllm import write_trtllm_repo
 
@@ -19,12 +21,26 @@ BLS_SOURCE = Path(__file__).resolve().parents[2] / "pipeline" / "triton" / "pyth
 TRTLLM_RECIPES = [n for n in list_recipes() if resolve(n).build.target == "tensorrt_llm"]
 
 
+def hf_config(recipe) -> dict:
+    """The recipe's model config.json, as bundled with forge (every TensorRT-LLM recipe's model has one)."""
+    for name in (recipe.model.config, recipe.model.source.removeprefix("builtin:")):
+        cfg = bundled_config(name) if name else None
+        if cfg is not None:
+            return cfg
+    raise AssertionError(f"{recipe.name}: no bundled config for {recipe.model.source}")
+
+
 def engine_config(recipe) -> dict:
-    """What trtllm-build writes to the engine's config.json (the keys forge reads), for this recipe's build."""
+    """What trtllm-build writes to the engine's config.json (the keys forge reads), for this recipe's build: the
+    pretrained_config is the checkpoint config after forge's own fix-ups (window fields included)."""
     b = recipe.build.tensorrt_llm
+    hf = hf_config(recipe)
+    info = ModelInfo.from_hf_config(hf)
+    mapping = {"world_size": b.tp * b.pp, "tp_size": b.tp, "pp_size": b.pp}
+    pretrained = apply_config_fixups({"num_hidden_layers": info.num_layers, "mapping": mapping}, info, hf,
+                                     recipe.quantize.model_dump())
     return {"version": "1.2.0",
-            "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": b.dtype, "logits_dtype": b.logits_dtype,
-                                  "mapping": {"world_size": b.tp * b.pp, "tp_size": b.tp, "pp_size": b.pp}},
+            "pretrained_config": {**pretrained, "dtype": b.dtype, "logits_dtype": b.logits_dtype},
             "build_config": {"max_batch_size": b.max_batch_size, "max_beam_width": b.max_beam_width,
                              "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
                              "kv_cache_type": b.kv_cache_type.upper(), "gather_context_logits": b.gather_context_logits,
@@ -60,7 +76,35 @@ def test_table_and_required_keys():
 
 
 def test_recipes_covered():
-    assert {"qwen7b-int8", "qwen7b-fp16", "smollm2-135m-trtllm-tp3"} <= set(TRTLLM_RECIPES)
+    assert {"qwen7b-int8", "qwen7b-fp16", "smollm2-135m-trtllm-tp3", "mistral7b-int8wo", "gemma3-270m-trtllm",
+            "llama3-8b-int8", "qwen3-8b-fp16"} <= set(TRTLLM_RECIPES)
+
+
+def hf_windows(hf: dict, max_seq_len: int) -> list[int] | None:
+    """What HF attends to per layer, capped at the engine's max_seq_len: Gemma 3 lists its layer types, Mistral
+    slides every layer; None when nothing is shorter than max_seq_len (written independently of forge's code)."""
+    w = hf.get("sliding_window")
+    if not w or hf.get("use_sliding_window") is False:
+        return None
+    types = hf.get("layer_types") or ["sliding_attention"] * hf["num_hidden_layers"]
+    out = [min(w, max_seq_len) if t == "sliding_attention" else max_seq_len for t in types]
+    return out if min(out) < max_seq_len else None
+
+
+def test_sliding_window_recipes_set_max_attention_window_size(generated):
+    """The engine's sliding windows reach the backend: one entry per layer, as HF attends; none for Llama / Qwen."""
+    r, repo = generated
+    params = contract.model_parameters(as_json(parse_all_configs(repo)["tensorrt_llm"]))
+    want = hf_windows(hf_config(r), r.build.tensorrt_llm.max_seq_len)
+    if want is None:
+        assert "max_attention_window_size" not in params, r.name
+        assert r.name not in ("mistral7b-int8wo", "gemma3-270m-trtllm")
+        return
+    assert [int(x) for x in params["max_attention_window_size"].split(",")] == want
+    if r.name == "mistral7b-int8wo":       # window 4096 < max_seq_len 8192 on all 32 layers
+        assert want == [4096] * 32
+    if r.name == "gemma3-270m-trtllm":     # 512 on 5 of every 6 of its 18 layers, max_seq_len 2048 on the 6th
+        assert want == ([512] * 5 + [2048]) * 3
 
 
 def test_generated_tensorrt_llm_config_meets_the_contract(generated):
@@ -70,7 +114,9 @@ def test_generated_tensorrt_llm_config_meets_the_contract(generated):
     ens_inputs = {i.name for i in cfgs["ensemble"].input}
     problems = contract.check_model_config(cfg, engine_logits_dtype=r.build.tensorrt_llm.logits_dtype,
                                            streaming_input="stream" in ens_inputs
-                                           or cfgs["tensorrt_llm_bls"].model_transaction_policy.decoupled)
+                                           or cfgs["tensorrt_llm_bls"].model_transaction_policy.decoupled,
+                                           engine_layers=hf_config(r)["num_hidden_layers"],
+                                           engine_max_seq_len=r.build.tensorrt_llm.max_seq_len)
     assert problems == [], f"{r.name}: {problems}"
     params = contract.model_parameters(cfg)
     assert Path(params["gpt_model_path"]).is_dir()
@@ -102,6 +148,9 @@ def test_generated_tensorrt_llm_config_meets_the_contract(generated):
     (lambda p: p.update(gpt_model_path=""), "'Both encoder and decoder model paths are empty'"),
     (lambda p: p.update(gpu_device_ids="0 1"), "parameters.gpu_device_ids: '0 1'"),
     (lambda p: p.update(max_tokens_in_paged_kv_cache="${max_tokens_in_paged_kv_cache}"), "unfilled template value"),
+    (lambda p: p.update(max_attention_window_size="4096;4096"), "parameters.max_attention_window_size: '4096;4096'"),
+    (lambda p: p.update(max_attention_window_size=""), "parameters.max_attention_window_size: '' is not a int_csv"),
+    (lambda p: p.update(max_attention_window_size="512,0"), "every window must be > 0"),
 ])
 def test_checker_catches(tmp_path, tiny_artifacts, change, expect):
     r = resolve("smollm2-135m-trtllm-tp3")
@@ -116,6 +165,16 @@ def test_checker_catches(tmp_path, tiny_artifacts, change, expect):
     change(params)
     problems = contract.check_parameters(params)
     assert any(expect in p for p in problems), problems
+
+
+def test_attention_window_rules():
+    assert contract.check_attention_windows("512,512,2048", num_layers=6, max_seq_len=2048) == []
+    assert contract.check_attention_windows("4096", num_layers=32, max_seq_len=8192) == []
+    assert contract.check_attention_windows(None, num_layers=32, max_seq_len=8192) == []
+    p = contract.check_attention_windows("4096", num_layers=32, max_seq_len=2048)
+    assert any("clamped" in x for x in p), p
+    p = contract.check_attention_windows("512,512,512,512,512,2048", num_layers=18 - 1, max_seq_len=2048)
+    assert any("6 windows for 17 layers" in x for x in p), p
 
 
 def test_model_config_rules():

@@ -11,6 +11,7 @@ Sources (NVIDIA/TensorRT-LLM, read through the source index; commit per file as 
   UT  = triton_backend/inflight_batcher_llm/src/utils.cc                @ c8c6df08bd0ead54cd47f7973e1e425c28a174cd
   KV  = cpp/tensorrt_llm/executor/kvCacheConfig.cpp                     @ b35ac1b64368513d215c57d2ed01d62d910df8da
   IFB = cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp  @ b35ac1b64368513d215c57d2ed01d62d910df8da
+  TGM = cpp/tensorrt_llm/batch_manager/trtGptModel.h                    @ c8c6df08bd0ead54cd47f7973e1e425c28a174cd
   (tensorrt_llm/version.py @ b35ac1b6 reads "1.2.0rc2". The 1.2 line as Triton ships it:
   triton-inference-server/tensorrtllm_backend 4575a5d "v1.2.0rc7 release" pins TensorRT-LLM a65b0d4e, and
   9e828d3 moves to release/1.2@36e34eeff; those exact trees are not in the index. Of the stored versions of
@@ -36,6 +37,7 @@ MS = "model_state.cc@5cdd6921"
 UT = "utils.cc@c8c6df08"
 KV = "kvCacheConfig.cpp@b35ac1b6"
 IFB = "trtGptModelInflightBatching.cpp@b35ac1b6"
+TGM = "trtGptModel.h@c8c6df08"
 
 BOOL_TRUE = ("True", "true", "TRUE", "1")
 BOOL_FALSE = ("False", "false", "FALSE", "0")
@@ -96,7 +98,11 @@ PARAMETERS: tuple[Param, ...] = (
           note="encoder-decoder only: 'Do not set crossKvCacheFraction for decoder-only model'"),
     Param("kv_cache_host_memory_bytes", "size", default="0", where=f"{MIS} getKvCacheConfigFromParams"),
     Param("kv_cache_onboard_blocks", "bool", default="true", where=f"{MIS} getKvCacheConfigFromParams"),
-    Param("max_attention_window_size", "int_csv", where=f"{MIS} getKvCacheConfigFromParams; {KV} each > 0"),
+    Param("max_attention_window_size", "int_csv",
+          where=f"{MIS} getKvCacheConfigFromParams (GetParameter<std::vector<int32_t>>, {MS} -> {UT} csvStrToVecInt); "
+                f"{TGM} TrtGptModel ctor",
+          note="one window per attention layer, cycled when the list is shorter; each > 0 (TLLM_CHECK), each capped "
+               "at the engine's max_seq_len with a warning; absent = every layer attends to max_seq_len"),
     Param("sink_token_length", "int", where=f"{MIS} getKvCacheConfigFromParams; {KV} > 0"),
     Param("enable_kv_cache_reuse", "bool", default="true", where=f"{MIS} getKvCacheConfigFromParams",
           note="ON when absent; off anyway without paged context FMHA or with context logits ({IFB})"),
@@ -225,6 +231,10 @@ def check_parameters(params: dict[str, str], *, decoder_only: bool = True) -> li
         v = params.get(name)
         if v is not None and _parses("int", v) and int(v) <= 0:
             p.append(f"parameters.{name}: {v} must be > 0 ({KV})")
+    win = params.get("max_attention_window_size")
+    if win is not None and _parses("int_csv", win) and any(int(x) <= 0 for x in win.split(",")):
+        p.append(f"parameters.max_attention_window_size: {win!r}: every window must be > 0 ({TGM}: 'Attention window "
+                 "sizes (elements in maxAttentionWindowVec) must be > 0')")
     if params.get("decoding_mode") == "lookahead":
         for name in ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size"):
             if name not in params:
@@ -242,14 +252,37 @@ def model_parameters(cfg: dict) -> dict[str, str]:
     return {k: (v or {}).get("string_value", "") for k, v in (cfg.get("parameters") or {}).items()}
 
 
+def check_attention_windows(value: str | None, *, num_layers: int, max_seq_len: int) -> list[str]:
+    """``max_attention_window_size`` against the engine it serves, beyond what the backend rejects: a value the
+    runtime silently changes is not what the config says (TGM: entries > max_seq_len are clamped, a list is
+    cycled over the layers, so a length that does not divide the layer count shifts the pattern)."""
+    if value is None or not _parses("int_csv", value):
+        return []
+    w = [int(x) for x in value.split(",")]
+    p = []
+    if any(x > max_seq_len for x in w):
+        p.append(f"parameters.max_attention_window_size: entries above the engine's max_seq_len {max_seq_len} are "
+                 f"clamped to it ({TGM}: 'cannot exceed mMaxSequenceLen')")
+    if len(w) > num_layers or num_layers % len(w):
+        p.append(f"parameters.max_attention_window_size: {len(w)} windows for {num_layers} layers; the runtime cycles "
+                 f"the list over the layers ({TGM} numRepeatsAttenWindow), give one per layer (or one for all)")
+    return p
+
+
 def check_model_config(cfg: dict, *, engine_logits_dtype: str | None = None, streaming_input: bool = False,
-                       decoder_only: bool = True) -> list[str]:
+                       decoder_only: bool = True, engine_layers: int | None = None,
+                       engine_max_seq_len: int | None = None) -> list[str]:
     """Problems of a whole ``tensorrt_llm`` ModelConfig (JSON form). ``streaming_input``: some front model
-    (ensemble/BLS) can send ``streaming=true``; ``engine_logits_dtype``: the engine's logits dtype."""
+    (ensemble/BLS) can send ``streaming=true``; ``engine_logits_dtype``: the engine's logits dtype;
+    ``engine_layers`` / ``engine_max_seq_len``: the engine's layer count and max_seq_len (attention windows)."""
     p = []
     if cfg.get("backend") != "tensorrtllm":
         p.append(f"backend: {cfg.get('backend')!r}, expected 'tensorrtllm'")
-    p += check_parameters(model_parameters(cfg), decoder_only=decoder_only)
+    params = model_parameters(cfg)
+    p += check_parameters(params, decoder_only=decoder_only)
+    if engine_layers and engine_max_seq_len:
+        p += check_attention_windows(params.get("max_attention_window_size"), num_layers=engine_layers,
+                                     max_seq_len=engine_max_seq_len)
     decoupled = bool((cfg.get("model_transaction_policy") or {}).get("decoupled", False))
     if streaming_input and not decoupled:
         p.append(f"model_transaction_policy.decoupled: false, but a front model sends streaming=true "

@@ -8,7 +8,10 @@ engine would have been loaded.
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import types
 
 import torch
 
@@ -34,9 +37,9 @@ def greedy(prompt_ids, max_new_tokens) -> list[int]:
     return out
 
 
-def _log(event: str, engine_dir) -> None:
+def _log(event: str, engine_dir, detail: str = "") -> None:
     with open(os.environ["FORGE_FAKE_RUNNER_LOG"], "a") as f:
-        f.write(f"{event} {os.getpid()} {engine_dir}\n")
+        f.write(f"{event} {os.getpid()} {engine_dir}" + (f"\t{detail}" if detail else "") + "\n")
 
 
 def events() -> list[str]:
@@ -70,3 +73,65 @@ def make_non_leader(engine_dir):
 def make_broken(engine_dir):
     _log("load", engine_dir)
     raise RuntimeError("rank0.engine: deserialization failed (test fixture)")
+
+
+# ------------------------------------------------- through forge's own load_runner (pipeline.trtllm.runtime)
+class _FakeExecutorSession:
+    def can_enqueue_requests(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pass
+
+
+class FakeModelRunnerCpp:
+    """Stands in for ``tensorrt_llm.runtime.ModelRunnerCpp``: ``from_dir`` logs the keywords it was given (as JSON),
+    ``generate`` answers in the 1.x return_dict shape (context_logits: one [T, vocab] tensor per row)."""
+
+    vocab_size = VOCAB
+
+    def __init__(self, engine_dir):
+        self.engine_dir = engine_dir
+        self.session = _FakeExecutorSession()
+
+    @classmethod
+    def from_dir(cls, engine_dir, **kwargs):
+        _log("load", engine_dir)
+        _log("from_dir", engine_dir, json.dumps(kwargs, sort_keys=True))
+        return cls(engine_dir)
+
+    def generate(self, batch_input_ids, max_new_tokens, **kwargs):
+        rows = [[int(t) for t in r] for r in batch_input_ids]
+        outs = [r + greedy(r, max_new_tokens) for r in rows]
+        return {"context_logits": [fake_logits(r) for r in rows],
+                "output_ids": torch.tensor([[o] for o in outs], dtype=torch.int32)}
+
+
+def make_through_load_runner(engine_dir):
+    """forge's real ``runtime.load_runner`` with ``tensorrt_llm`` (and the GPU check) replaced by the fakes above,
+    only for the duration of the call."""
+    from pipeline.trtllm import runtime
+    trt = types.ModuleType("tensorrt_llm")
+    trt.mpi_rank = lambda: 0
+    trt_runtime = types.ModuleType("tensorrt_llm.runtime")
+    trt_runtime.ModelRunnerCpp = FakeModelRunnerCpp
+    trt.runtime = trt_runtime
+    names = ("tensorrt_llm", "tensorrt_llm.runtime")
+    saved = {n: sys.modules.get(n) for n in names}
+    require = runtime._require
+    sys.modules.update({"tensorrt_llm": trt, "tensorrt_llm.runtime": trt_runtime})
+    runtime._require = lambda: None
+    try:
+        return runtime.load_runner(engine_dir)
+    finally:
+        runtime._require = require
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+def from_dir_kwargs() -> list[dict]:
+    """The keywords of every logged ``ModelRunnerCpp.from_dir`` call, in order."""
+    return [json.loads(e.split("\t", 1)[1]) for e in events() if e.startswith("from_dir ")]

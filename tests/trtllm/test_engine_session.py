@@ -170,3 +170,50 @@ def test_pipeline_parallel_engine_refused_before_any_load(tmp_path):
     with pytest.raises(StageFailed, match="build.tensorrt_llm.pp: 1"):
         runtime.EngineSession(d, runner_spec=SPEC, launch=no_mpirun).context_logits(torch.zeros(1, 2, dtype=torch.long))
     assert loads() == []
+
+
+# ------------------------------------------------------------------------------- sliding windows reach the runner
+THROUGH_LOAD_RUNNER = "fake_trtllm_runner:make_through_load_runner"
+
+
+def windowed_engine_dir(tmp_path, world_size, pretrained: dict, max_seq_len: int):
+    """An engine config.json as trtllm-build writes it: forge's window fields ride in pretrained_config."""
+    d = tmp_path / f"engine-{pretrained['architecture']}-ws{world_size}"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "pretrained_config": {**pretrained, "mapping": {"world_size": world_size, "tp_size": world_size, "pp_size": 1}},
+        "build_config": {"max_seq_len": max_seq_len}}))
+    return d
+
+
+GEMMA3 = {"architecture": "Gemma3ForCausalLM", "num_hidden_layers": 6, "sliding_window": 8,
+          "_sliding_window_pattern": 3}
+MISTRAL = {"architecture": "MistralForCausalLM", "num_hidden_layers": 4, "sliding_window": 16}
+LLAMA = {"architecture": "LlamaForCausalLM", "num_hidden_layers": 4}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("pretrained,max_seq_len,expect", [
+    (GEMMA3, 32, [8, 8, 32, 8, 8, 32]),      # global every 3rd layer: max_seq_len there
+    (MISTRAL, 64, [16, 16, 16, 16]),         # every layer slides
+    (MISTRAL, 16, None),                     # window >= max_seq_len: the runtime default is already right
+    (LLAMA, 64, None),                       # no window: not passed at all
+], ids=["gemma3", "mistral", "mistral-window-ge-max-seq-len", "llama"])
+def test_runner_gets_the_per_layer_attention_window(tmp_path, world_size, pretrained, max_seq_len, expect):
+    """forge's own load_runner (in process at tp 1, in the worker at tp 2) hands ModelRunnerCpp.from_dir the
+    per-layer max_attention_window_size of the engine's config.json, and the engine then serves as usual."""
+    eng = windowed_engine_dir(tmp_path, world_size, pretrained, max_seq_len)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with runtime.EngineSession(eng, runner_spec=THROUGH_LOAD_RUNNER, launch=no_mpirun) as s:
+        assert torch.equal(s.context_logits(ids), fake.fake_logits(ids))
+        assert s.generate([5], 3) == fake.greedy([5], 3)
+    calls = fake.from_dir_kwargs()
+    assert len(calls) == 1, fake.events()
+    assert calls[0]["kv_cache_enable_block_reuse"] is False
+    if expect is None:
+        assert "max_attention_window_size" not in calls[0]
+    else:
+        assert calls[0]["max_attention_window_size"] == expect
+        assert len(expect) == pretrained["num_hidden_layers"]
+    if world_size > 1:   # loaded by the worker process
+        assert loads()[0].split()[1] != str(os.getpid())

@@ -17,10 +17,12 @@ import json
 import pytest
 import torch
 
+from pipeline.errors import ForgeError
 from pipeline.eval.metrics import compare_logits
 from pipeline.modelinfo import ModelInfo
 from pipeline.trtllm.checkpoint import write_checkpoint
 from pipeline.trtllm.contract import check_contract
+from pipeline.trtllm.families import attention_windows, engine_attention_windows
 from pipeline.trtllm.reference import ReferenceModel
 
 from trtllm_tiny import tiny_family, tokens
@@ -81,6 +83,14 @@ def test_family_config_fixups(family_models):
     assert g["_sliding_window_pattern"] == 2 and g["sliding_window"] == 8
     assert g["rotary_base"] == 1e6 and g["rope_local_base_freq"] == 1e4
     assert g["use_parallel_embedding"] is True and g["share_embedding_table"] is True
+    # what the engine's runtime gets as max_attention_window_size (Triton repository, evaluate runtime)
+    L = {f: cfgs[f]["num_hidden_layers"] for f in FAMILIES}
+    assert attention_windows(cfgs["mistral"], 64) == [16] * L["mistral"]
+    assert attention_windows(cfgs["gemma3"], 64) == [8, 64] * (L["gemma3"] // 2)
+    assert attention_windows(cfgs["mistral"], 16) is None          # window >= max_seq_len: runtime default
+    assert attention_windows(cfgs["llama3"], 64) is None and attention_windows(cfgs["qwen3"], 64) is None
+    with pytest.raises(ForgeError, match="build_config has no max_seq_len"):
+        engine_attention_windows({"pretrained_config": cfgs["gemma3"], "build_config": {}})
 
 
 @pytest.mark.parametrize("fam,mutation,expect", [

@@ -42,6 +42,7 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path) -> dict:
                                 op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FP32_OPS),
                                 use_symbolic_shape_infer=True)
     model16 = om.model
+    dropped = drop_duplicate_nodes(model16)
     for f in (out_dir / MODEL_FILE, out_dir / (MODEL_FILE + ".data")):
         f.unlink(missing_ok=True)
     onnx.save_model(model16, str(out_dir / MODEL_FILE), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -53,7 +54,37 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path) -> dict:
                     "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO)}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     return {"fp32_nodes": dict(Counter(n.op_type for n in fp32_nodes(model16))),
-            "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO)}
+            "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO), "duplicate_nodes_dropped": dropped}
+
+
+def drop_duplicate_nodes(model) -> int:
+    """Remove nodes identical to an earlier one (op, inputs, outputs, attributes, name) and repeated value_infos.
+
+    ONNX Runtime 1.31's float16 converter inserts one Cast per consumer of an fp16 value that an fp32-kept op reads,
+    all with the same node name and output name, and ORT then refuses the model ("two nodes with same node name";
+    measured on the H200 machine with onnxruntime-gpu 1.31.1). 1.32 shares one Cast per value (microsoft/onnxruntime
+    onnxruntime/python/tools/transformers/float16.py, ``cast_output_names``): dropping the repeats gives its graph."""
+    seen, keep, dropped = set(), [], 0
+    for n in model.graph.node:
+        key = (n.domain, n.op_type, n.name, tuple(n.input), tuple(n.output),
+               tuple(a.SerializeToString() for a in n.attribute))
+        if key in seen:
+            dropped += 1
+            continue
+        seen.add(key)
+        keep.append(n)
+    if dropped:
+        del model.graph.node[:]
+        model.graph.node.extend(keep)
+    names, infos = set(), []
+    for v in model.graph.value_info:
+        if v.name not in names:
+            names.add(v.name)
+            infos.append(v)
+    if len(infos) != len(model.graph.value_info):
+        del model.graph.value_info[:]
+        model.graph.value_info.extend(infos)
+    return dropped
 
 
 def fp32_nodes(model) -> list:

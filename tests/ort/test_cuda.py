@@ -216,3 +216,34 @@ def test_gpu_run_script_phases_dry_run(phase, tmp_path):
     assert res["phase"] == phase and "finished" in res
     if phase == "build":
         assert any("smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4" in s["cmd"] for s in res["steps"])
+
+
+def test_duplicate_casts_of_ort_1_31_converter_are_dropped():
+    """onnxruntime-gpu 1.31.1's float16 converter emits one identical Cast per consumer (same node and output name);
+    ORT refuses such a model. After drop_duplicate_nodes it loads and computes what one shared Cast computes."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from pipeline.ort.fp16 import drop_duplicate_nodes
+
+    cast = helper.make_node("Cast", ["x"], ["x_cast_to_fp32"], to=TensorProto.FLOAT, name="x_cast_to_fp32_node")
+    g = helper.make_graph(
+        [cast, helper.make_node("Softmax", ["x_cast_to_fp32"], ["a"], name="sm"), onnx.helper.make_node(
+            "Cast", ["x"], ["x_cast_to_fp32"], to=TensorProto.FLOAT, name="x_cast_to_fp32_node"),
+         helper.make_node("Sqrt", ["x_cast_to_fp32"], ["b"], name="sq")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 3])],
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2, 3]), helper.make_tensor_value_info("b", TensorProto.FLOAT, [2, 3])],
+        value_info=[helper.make_tensor_value_info("x_cast_to_fp32", TensorProto.FLOAT, [2, 3])] * 2)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    m.ir_version = 9
+    with pytest.raises(Exception, match="same node name"):
+        ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert drop_duplicate_nodes(m) == 1
+    assert [n.name for n in m.graph.node].count("x_cast_to_fp32_node") == 1 and len(m.graph.value_info) == 1
+    x = np.array([[1, 2, 3], [4, 5, 6]], np.float16)
+    a, b = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    e = np.exp(x.astype(np.float32))
+    np.testing.assert_allclose(a, e / e.sum(-1, keepdims=True), rtol=1e-6)
+    np.testing.assert_allclose(b, np.sqrt(x.astype(np.float32)), rtol=1e-6)

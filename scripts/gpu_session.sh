@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU session of issues 13, 17 and 18 on one H200 (device tool), after the carried parts were received
+# (scripts/gpu_carry.sh, one `scripts/gpu_ort_run.sh --phase receive` per .carry/partNN; .whl copied to /tmp/whl):
+#   scripts/gpu_session.sh build   setup, the 7B streaming reference (issue 13) in the background, the gpu tests and
+#                                  both CUDA recipes built, evaluated on the GPU and packaged (issue 17)
+#   scripts/gpu_session.sh serve   tritonserver on the GPU answers generate, the GPU bench (issue 17), then the
+#                                  single-GPU smoke of the distributed reference (issue 18)
+# Each step stays under the device tool's 10-minute call limit; results land in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out-gpu}
+mkdir -p "$OUT/i13" "$OUT/i18"
+ref_env() { PYTHONPATH=/tmp/site:/tmp/fsite/site-packages:$PWD FORGE_PROGRESS=0 "$@"; }
+case "${1:-}" in
+build)
+  scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
+  timeout 150 scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/whl/*.whl
+  ref_env timeout 470 python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
+    --samples 64 --batch 16 --stream-ref >"$OUT/i13/log.txt" 2>&1 &
+  bg=$!
+  timeout 60 scripts/gpu_ort_run.sh --phase test >/dev/null 2>&1; tail -3 "$OUT/test.log"
+  timeout 330 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
+  python3 scripts/gpu_session_summary.py "$OUT"
+  wait $bg; echo "7B reference rc=$?"; tail -5 "$OUT/i13/log.txt"
+  ;;
+serve)
+  timeout 150 scripts/gpu_ort_run.sh --phase serve 2>&1 | grep -E '"answer"|seconds_to_answer|server_rc' | head
+  timeout 300 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -30 "$OUT/bench.log"
+  ref_env timeout 90 python3 scripts/tp_memory.py --out "$OUT/i18/mem1" --tp 1 --layers 2 --work /tmp/tpmem \
+    --samples 2 --seq-len 128 --compare >"$OUT/i18/log.txt" 2>&1; echo "tp_memory rc=$?"
+  ref_env timeout 60 python3 -m pytest -q -m "gpu and not integration" tests/trtllm/test_distributed.py \
+    -p no:cacheprovider >>"$OUT/i18/log.txt" 2>&1; tail -3 "$OUT/i18/log.txt"
+  ;;
+*) echo "usage: $0 build|serve" >&2; exit 2 ;;
+esac

@@ -148,7 +148,8 @@ def stream_ref(args, results):
     torch.save(ids, ids_path)
     top1 = {}
     runs = [("cuda", "per-batch"), ("cuda", "one")] if torch.cuda.is_available() else []
-    runs += [("cpu", "per-batch")]
+    if not args.ref_cuda_only:
+        runs += [("cpu", "per-batch")]
     for device, passes in runs:
         name = f"reference numerics {device}, {args.ref_samples}x{args.ref_seq_len}, batch 2, passes={passes}"
         with stage(results, name):
@@ -175,6 +176,7 @@ def main():
     ap.add_argument("--skip-smol", action="store_true")
     ap.add_argument("--skip-7b", action="store_true")
     ap.add_argument("--stream-ref", action="store_true", help="issue 13: streaming reference numerics, CPU and CUDA")
+    ap.add_argument("--ref-cuda-only", action="store_true", help="--stream-ref without the (minutes-long) CPU pass")
     ap.add_argument("--ref-samples", type=int, default=16)
     ap.add_argument("--ref-seq-len", type=int, default=512)
     args = ap.parse_args()

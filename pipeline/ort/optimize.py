@@ -83,9 +83,16 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     b = OrtEngine(out_dir, threads=threads, level="disable", **run).logits(ids)
     diff = float(np.abs(a - b).max())
     af, bf = a.reshape(-1, a.shape[-1]).astype(np.float64), b.reshape(-1, b.shape[-1]).astype(np.float64)
-    cosine = float(np.mean(np.sum(af * bf, -1) / (np.linalg.norm(af, axis=-1) * np.linalg.norm(bf, axis=-1))))
+    na, nb = np.linalg.norm(af, axis=-1), np.linalg.norm(bf, axis=-1)
+    # a position both graphs leave all-zero has no direction to compare (cosine 0/0); zero in only one is a change
+    both = (na > 0) & (nb > 0)
+    if np.any((na > 0) != (nb > 0)) or not both.any():
+        cosine = float("nan")
+    else:
+        cosine = float(np.mean(np.sum(af[both] * bf[both], -1) / (na[both] * nb[both])))
     metrics = {"level": level, "threads": threads, "optimize_s": round(opt_s, 2), "check_max_abs": diff,
                "check_cosine": cosine, "check": "cosine" if quantized else "max_abs", "provider": provider,
+               "check_zero_rows": int((~both).sum()),
                "ops_before": _op_counts(src), "ops_after": _op_counts(dst), "model_bytes": model_bytes(out_dir),
                "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
                                    "graph_optimization_level": level}}

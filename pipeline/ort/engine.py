@@ -189,6 +189,12 @@ class OrtEngine:
         # positions the graph can address (the rotary tables of a shared-layout graph end there)
         self.max_seq_len = int(self.meta.get("max_seq_len") or 0) or None
         self.eos_token_id = self.meta.get("eos_token_id")
+        # Dynamic INT8 MatMuls quantize their activations with ONE scale per tensor, computed over the whole batch:
+        # a row's numbers then depend on the rows (and padding) it is batched with. Such an engine answers each
+        # request as it was validated only when rows run one at a time (the Triton model does that).
+        q = self.meta.get("quantization") or {}
+        self.batch_invariant = not (q.get("algo") == "int8" and bool(
+            q.get("dynamic_weights") if "dynamic_weights" in q else q.get("method") in ("dynamic", "mixed")))
         self._tokenizer = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}

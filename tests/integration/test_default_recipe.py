@@ -84,7 +84,9 @@ def test_cli_noop_build_writes_reports(default_build, default_overrides, tmp_pat
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 0, p.stderr
     rep = json.loads((tmp_path / r.name / "report.json").read_text())
-    assert rep["status"] == "passed" and all(s["status"] == "hit" for s in rep["stages"])
+    # every stage a cache hit; the regression check (run history) is never cached: it runs after every build
+    assert rep["status"] == "passed" and all(s["status"] == "hit" for s in rep["stages"] if s["name"] != "regression")
+    assert [s["status"] for s in rep["stages"] if s["name"] == "regression"] in (["passed"], ["skipped"])
     assert (tmp_path / r.name / "triton_repo" / "ensemble" / "config.pbtxt").exists()
     suite = ET.parse(tmp_path / r.name / "junit.xml").getroot()
     names = [c.get("name") for c in suite.iter("testcase")]

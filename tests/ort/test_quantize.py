@@ -142,3 +142,23 @@ def test_smoothquant_fold_is_exact_in_fp32(tiny_onnx_dir, tmp_path, ref_logits, 
     _save(model, tmp_path)
     shutil.copy2(tiny_onnx_dir / "forge_ort.json", tmp_path / "forge_ort.json")
     np.testing.assert_allclose(OrtEngine(tmp_path, threads=1).logits(eval_ids), ref_logits, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("algo,method,invariant", [("int8", "dynamic", False), ("int8", "mixed", False),
+                                                   ("int8", "blockwise", True), ("int4_wo", None, True),
+                                                   ("none", None, True)])
+def test_batch_invariance_is_known_from_the_engine(tiny_onnx_dir, tmp_path, algo, method, invariant):
+    """Dynamic INT8 computes one activation scale over the whole batch: a row's logits depend on its batch-mates
+    (found by test_served_tokens_equal_validated_greedy: Triton batched 8 requests and 3 answers changed). The
+    engine says so, and the Triton model then runs rows one at a time."""
+    import numpy as np
+    quantize_onnx(tiny_onnx_dir, tmp_path, algo=algo, options={"method": method} if method else {})
+    eng = OrtEngine(tmp_path, threads=1)
+    assert eng.batch_invariant is invariant
+    rng = np.random.default_rng(3)
+    row = rng.integers(0, 200, size=(1, 12))
+    alone = eng.logits(row)[0]
+    mates = np.concatenate([row, rng.integers(0, 200, size=(3, 12)) * 0 + 199], axis=0)   # large, constant ids
+    batched = eng.logits(mates)[0]
+    if invariant:
+        np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4)

@@ -82,8 +82,9 @@ class TritonPythonModel:
 
     def _generate(self, rows):
         """All rows of all requests Triton batched together go through the engine as ONE batch (prompts of
-        different lengths, each with its own settings); engines without generate_batch run row by row."""
-        if hasattr(self.engine, "generate_batch") and len(rows) > 1:
+        different lengths, each with its own settings); engines without generate_batch, or whose numbers depend on
+        the batch (dynamic INT8: one activation scale per tensor), run row by row, as they were validated."""
+        if hasattr(self.engine, "generate_batch") and len(rows) > 1 and getattr(self.engine, "batch_invariant", True):
             keys = ("max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "eos_token_id")
             return self.engine.generate_batch([p for p, _ in rows], **{k: [o[k] for _, o in rows] for k in keys})
         return [self.engine.generate(p, o["max_new_tokens"], **{k: v for k, v in o.items() if k != "max_new_tokens"})

@@ -39,14 +39,14 @@ all)
   timeout 120 scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
   python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/whl/*.whl
-  ref_env timeout 200 python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
+  ref_env timeout 180 python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
     --samples 64 --batch 16 --stream-ref --ref-cuda-only >"$OUT/i13/log.txt" 2>&1 &
   bg=$!
-  timeout 200 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
+  timeout 170 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
   python3 scripts/gpu_session_summary.py "$OUT"
   wait $bg; echo "7B reference rc=$?"
-  timeout 90 scripts/gpu_ort_run.sh --phase serve 2>&1 | grep -E '"answer"|seconds_to_answer|server_rc' | head
-  timeout 170 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
+  timeout 70 scripts/gpu_ort_run.sh --phase serve 2>&1 | grep -E '"answer"|seconds_to_answer|server_rc' | head
+  timeout 150 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
   tar -C "$OUT" -czf /tmp/all.tgz --exclude='*.onnx*' . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/"
   ;;
 *) echo "usage: $0 build|serve" >&2; exit 2 ;;

@@ -186,7 +186,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     """Build recipes: run every stage that is not cached, then validate and package; each night is recorded in
     the run history and checked against the recipe's regression rules (validate.regression)."""
     from .history import Nightly
-    from .report import invalid_report, report_dir_name, write_reports, write_summary
+    from .report import write_summary
     from .runner import Runner
     _check_executor(executor, cache_offline)
     nightly = Nightly(history_db, warn=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}"))
@@ -215,16 +215,8 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             runner.check_stage_args(from_, until, set(force or []))
             err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {escape(runner.cache.location)})")
             results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
-        except UsageError as e:
-            err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
-            statuses[shown] = Status.INVALID
-            _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
-            if not keep_going:
-                break
-            continue
-        except ForgeError as e:         # a problem outside any stage (e.g. the cache location is unusable)
-            err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-            statuses[shown] = Status.FAILED
+        except ForgeError as e:
+            _recipe_not_started(e, name, shown, statuses, report_dir)
             if not keep_going:
                 break
             continue
@@ -238,6 +230,19 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             t.add_row(escape(k), v)
         console.print(t)
     raise typer.Exit(exit_code(statuses.values()))
+
+
+def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path) -> None:
+    """A recipe that could not start: bad recipe or arguments (status invalid, exit 2, an invalid report) or a
+    problem outside any stage (e.g. the cache location is unusable: failed)."""
+    from .report import invalid_report, report_dir_name, write_reports
+    if isinstance(e, UsageError):
+        err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
+        statuses[shown] = Status.INVALID
+        _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
+    else:
+        err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
+        statuses[shown] = Status.FAILED
 
 
 def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, nightly) -> None:
@@ -265,7 +270,6 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
     """--executor ray: resolve and check every recipe here, run their stages on the cluster at once, then write
     each recipe's reports as the local executor does."""
     from .ray_executor import SHARED_CACHE_NEEDED, RayBuild, connect
-    from .report import invalid_report, report_dir_name, write_reports
     from .runner import Runner
     runners, forced = [], {}
     for name in recipes:
@@ -277,16 +281,8 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
             problems = runner.plan_problems()
             if problems:
                 raise RecipeError(problems)
-        except UsageError as e:
-            err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
-            statuses[shown] = Status.INVALID
-            _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
-            if not keep_going:
-                return
-            continue
         except ForgeError as e:
-            err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-            statuses[shown] = Status.FAILED
+            _recipe_not_started(e, name, shown, statuses, report_dir)
             if not keep_going:
                 return
             continue

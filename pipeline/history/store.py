@@ -14,6 +14,7 @@ i + 1 and runs under the write lock, so two processes opening a fresh file migra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sqlite3
@@ -215,35 +216,27 @@ class History:
     # ------------------------------------------------------------ writing
     def record(self, run: Run) -> int:
         """Store one night in one transaction; returns its id. Raises HistoryUnavailable."""
-        try:
-            self.db.execute("BEGIN IMMEDIATE")
-            try:
-                cur = self.db.execute(
-                    "INSERT INTO runs (recipe, recipe_hash, target, status, started, finished, wall_s, recipe_json,"
-                    " machine_class, machine_json, git_commit, git_dirty, report_path)"
-                    " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                    (run.recipe, run.recipe_hash, run.target, run.status, run.started, run.finished, run.wall_s,
-                     json.dumps(run.recipe_dict, sort_keys=True), run.machine_class,
-                     json.dumps(run.machine, sort_keys=True, default=str), run.git_commit,
-                     None if run.git_dirty is None else int(run.git_dirty), run.report_path))
-                rid = cur.lastrowid
-                for seq, st in enumerate(run.stages):
-                    self.db.execute(
-                        "INSERT INTO stages VALUES (?,?,?,?,?,?,?,?,?)",
-                        (rid, seq, st["name"], st["status"], st.get("key"), _num(st.get("duration_s")),
-                         _num(st.get("peak_rss_mb")), st.get("message") or "",
-                         json.dumps(st.get("components"), sort_keys=True, default=str)
-                         if st.get("components") is not None else None))
-                for stage, ms in run.metrics.items():
-                    self.db.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
-                                        [(rid, stage, n, v, t) for n, v, t in flatten_metrics(ms)])
-                self._insert_gates(rid, run.gates)
-                self.db.execute("COMMIT")
-            except BaseException:
-                self.db.execute("ROLLBACK")
-                raise
-        except sqlite3.Error as e:
-            raise HistoryUnavailable(_explain(self.path, e)) from None
+        with self._write():
+            cur = self.db.execute(
+                "INSERT INTO runs (recipe, recipe_hash, target, status, started, finished, wall_s, recipe_json,"
+                " machine_class, machine_json, git_commit, git_dirty, report_path)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (run.recipe, run.recipe_hash, run.target, run.status, run.started, run.finished, run.wall_s,
+                 json.dumps(run.recipe_dict, sort_keys=True), run.machine_class,
+                 json.dumps(run.machine, sort_keys=True, default=str), run.git_commit,
+                 None if run.git_dirty is None else int(run.git_dirty), run.report_path))
+            rid = cur.lastrowid
+            for seq, st in enumerate(run.stages):
+                self.db.execute(
+                    "INSERT INTO stages VALUES (?,?,?,?,?,?,?,?,?)",
+                    (rid, seq, st["name"], st["status"], st.get("key"), _num(st.get("duration_s")),
+                     _num(st.get("peak_rss_mb")), st.get("message") or "",
+                     json.dumps(st.get("components"), sort_keys=True, default=str)
+                     if st.get("components") is not None else None))
+            for stage, ms in run.metrics.items():
+                self.db.executemany("INSERT INTO metrics VALUES (?,?,?,?,?)",
+                                    [(rid, stage, n, v, t) for n, v, t in flatten_metrics(ms)])
+            self._insert_gates(rid, run.gates)
         run.id = rid
         return rid
 
@@ -257,17 +250,23 @@ class History:
     def attach_bench(self, run_id: int, figures: dict, *, source: str, label: str, facts: dict, recorded: str,
                      gates: list[dict], status: str | None) -> None:
         """Bench figures of a night's engine (+ the bench rules' verdicts, and the night's new status)."""
+        with self._write():
+            self.db.execute("DELETE FROM bench WHERE run_id=?", (run_id,))
+            self.db.executemany("INSERT INTO bench VALUES (?,?,?)", [(run_id, k, _num(v)) for k, v in figures.items()])
+            self.db.execute("INSERT OR REPLACE INTO bench_runs VALUES (?,?,?,?,?)",
+                            (run_id, recorded, source, label, json.dumps(facts, sort_keys=True, default=str)))
+            self._insert_gates(run_id, gates)
+            if status:
+                self.db.execute("UPDATE runs SET status=? WHERE id=?", (status, run_id))
+
+    @contextlib.contextmanager
+    def _write(self):
+        """One write transaction (BEGIN IMMEDIATE takes the write lock up front); sqlite errors become
+        HistoryUnavailable, anything else rolls back and propagates."""
         try:
             self.db.execute("BEGIN IMMEDIATE")
             try:
-                self.db.execute("DELETE FROM bench WHERE run_id=?", (run_id,))
-                self.db.executemany("INSERT INTO bench VALUES (?,?,?)",
-                                    [(run_id, k, _num(v)) for k, v in figures.items()])
-                self.db.execute("INSERT OR REPLACE INTO bench_runs VALUES (?,?,?,?,?)",
-                                (run_id, recorded, source, label, json.dumps(facts, sort_keys=True, default=str)))
-                self._insert_gates(run_id, gates)
-                if status:
-                    self.db.execute("UPDATE runs SET status=? WHERE id=?", (status, run_id))
+                yield
                 self.db.execute("COMMIT")
             except BaseException:
                 self.db.execute("ROLLBACK")

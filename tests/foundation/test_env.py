@@ -75,12 +75,16 @@ def test_one_fp8_rule():
 
 
 def test_peak_rss_sees_memory_allocated_inside_the_block():
+    import mmap
     with env.PeakRss(interval=0.01) as m:
-        block = bytearray(64 * 2**20)
-        block[::4096] = b"x" * len(block[::4096])       # touch every page
+        # a fresh anonymous mapping: its pages become resident only when touched (a bytearray may reuse heap pages
+        # freed earlier in a long test session that are still resident, so RSS need not grow: CI found that)
+        block = mmap.mmap(-1, 64 * 2**20)
+        for off in range(0, len(block), 4096):       # touch every page
+            block[off] = 1
         threading.Event().wait(0.05)
     assert m.peak - m.start >= 48 * 2**20
-    del block
+    block.close()
     assert env.process_peak_rss_bytes() >= m.peak - 2**20
 
 

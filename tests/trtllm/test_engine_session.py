@@ -54,7 +54,7 @@ def evaluate_ctx(tmp_path, monkeypatch):
     from pipeline.stages.base import StageContext
 
     class Ref:
-        def __init__(self, mdir):
+        def __init__(self, mdir, device=None):     # TorchReference's signature (device: where the FP32 model runs)
             pass
 
         def logits(self, ids, desc=""):

@@ -261,13 +261,13 @@ class OgaAdapter:
 
     supports_batch_prefill = True
 
-    def __init__(self, name: str, path: str, threads: int):
+    def __init__(self, name: str, path: str, threads: int, note: str = "INT4 CPU model"):
         import onnxruntime_genai as og
 
         self.og, self.name = og, name
         set_oga_threads(Path(path), threads)
         self.model = og.Model(path)
-        self.what = f"onnxruntime-genai {_version('onnxruntime-genai')} INT4 CPU model, {threads} threads"
+        self.what = f"onnxruntime-genai {_version('onnxruntime-genai')}: {note}, {threads} threads"
         self.generate_batch = self._generate
 
     def _start(self, ids: np.ndarray, n: int):
@@ -304,5 +304,5 @@ def load_peer(spec: dict, threads: int):
     if spec["kind"] == "llama_cpp":
         return LlamaCppAdapter(spec["name"], spec["path"], threads)
     if spec["kind"] == "oga":
-        return OgaAdapter(spec["name"], spec["path"], threads)
+        return OgaAdapter(spec["name"], spec["path"], threads, spec.get("note") or "INT4 CPU model")
     raise ValueError(spec["kind"])

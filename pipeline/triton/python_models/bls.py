@@ -27,6 +27,8 @@ _PRE_OUT = ["INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID",
 _ENGINE_OUT = ["output_ids", "sequence_length"]
 
 
+# each model.py stands alone in its Triton model directory (the stub imports it without forge), so this small
+# reader is repeated in the python models rather than imported
 def _param(cfg, key, default=None):
     v = cfg.get("parameters", {}).get(key, {}).get("string_value")
     return default if v is None or v.startswith("${") else v

@@ -17,6 +17,8 @@ import triton_python_backend_utils as pb_utils
 from tokenizers import Tokenizer
 
 
+# each model.py stands alone in its Triton model directory (the stub imports it without forge), so this small
+# reader is repeated in the python models rather than imported
 def _param(cfg, key, default=None):
     v = cfg.get("parameters", {}).get(key, {}).get("string_value")
     return default if v is None or v.startswith("${") else v

@@ -143,8 +143,9 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
         placement = lambda s: place(s, r, nodes)    # noqa: E731
     plans = runner.plan(set(force or []), placement)
     if as_json:
+        hardware = _stage_hardware(runner)     # once: a GPU stage's hardware asks NVML
         console.print_json(json.dumps({"recipe": r.name, "hash": r.hash, "problems": problems, "stages": [
-            {"name": p.name, "status": p.status, "key": p.key, "hardware": _stage_hardware(runner)[p.name],
+            {"name": p.name, "status": p.status, "key": p.key, "hardware": hardware[p.name],
              "reason": p.reason, "changed": p.changed, **({"where": p.where} if placement else {})} for p in plans]}))
     else:
         console.print(_plan_table(runner, plans, where=placement is not None))

@@ -8,10 +8,10 @@ import platform
 
 from .. import __version__
 from ..env import tool_versions
+from ..triton.manifest import BUILD_TOOLS
 from .base import Stage, StageContext, payload_bytes
 from .common import set_digests
 
-MANIFEST_TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm")
 
 
 class PackageStage(Stage):
@@ -57,7 +57,7 @@ def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = No
         "model": {"source": source["spec"], "kind": source["kind"], "digest": source["digest"]},
         "calibration": {"config": q.calibration.model_dump(), "digests": calib} if calib else None,
         "evaluation_data": evals,
-        "tools": {k: v for k, v in tool_versions(MANIFEST_TOOLS).items() if v} | {"python": platform.python_version()},
+        "tools": {k: v for k, v in tool_versions(BUILD_TOOLS).items() if v} | {"python": platform.python_version()},
         "target": target,
         "build": build or {},
         "artifacts": ctx.extra.get("upstream_digests", {}),

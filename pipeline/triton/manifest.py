@@ -20,9 +20,10 @@ from pipeline.hashing import file_digest, sha256_json, tree_files
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
-# tools recorded in a manifest (pipeline.env.TOOLS labels)
-TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm", "tritonclient",
-         "pytriton", "forge")
+# tools that make an engine (pipeline.env.TOOLS labels): a manifest records each, null when absent
+BUILD_TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm")
+# tools this machine reports for verify-deploy: the build tools and the serving side
+TOOLS = BUILD_TOOLS + ("tritonclient", "pytriton", "forge")
 # tools whose version an engine is bound to, per target
 ENGINE_BOUND = {"tensorrt_llm": ("tensorrt", "tensorrt_llm"), "tensorrt": ("tensorrt",), "onnxruntime": ()}
 
@@ -123,7 +124,7 @@ def write_manifest(repo_dir, info: dict) -> Path:
         hardware = {"kind": "gpu", "sm": sm}
     tools = info.get("tools") or env["tools"]
     tools = {tool_label(k): (None if v == "absent" else v) for k, v in tools.items()}
-    for k in ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm"):
+    for k in BUILD_TOOLS:
         tools.setdefault(k, None)  # recorded as absent (null), not omitted
     recipe = info.get("recipe")
     rhash = info.get("recipe_hash") or (recipe.get("hash") if isinstance(recipe, dict) else None) \

@@ -5,21 +5,28 @@
 #                                  both CUDA recipes built, evaluated on the GPU and packaged (issue 17)
 #   scripts/gpu_session.sh serve   tritonserver on the GPU answers generate, the GPU bench (issue 17), then the
 #                                  single-GPU smoke of the distributed reference (issue 18)
+#   scripts/gpu_session.sh all     build + serve + bench in one call (the 7B reference on CUDA only), one archive back
 # Each step stays under the device tool's 10-minute call limit; results land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out-gpu}
 mkdir -p "$OUT/i13" "$OUT/i18"
 ref_env() { PYTHONPATH=/tmp/site:/tmp/fsite/site-packages:$PWD FORGE_PROGRESS=0 "$@"; }
-case "${1:-}" in
-build)
+# the last part received, the bundle set up, the extra wheels installed; then the 7B reference (issue 13) started in
+# the background with its time limit and any further gpu_run.py flags: its pid in $bg
+prepare_and_start_reference() {
+  local setup_s=$1 ref_s=$2; shift 2
   scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
-  timeout 150 scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
+  timeout "$setup_s" scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
   python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/whl/*.whl
-  ref_env timeout 470 python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
-    --samples 64 --batch 16 --stream-ref >"$OUT/i13/log.txt" 2>&1 &
+  ref_env timeout "$ref_s" python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
+    --samples 64 --batch 16 --stream-ref "$@" >"$OUT/i13/log.txt" 2>&1 &
   bg=$!
+}
+case "${1:-}" in
+build)
+  prepare_and_start_reference 150 470
   timeout 60 scripts/gpu_ort_run.sh --phase test >/dev/null 2>&1; tail -3 "$OUT/test.log"
   timeout 330 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
   python3 scripts/gpu_session_summary.py "$OUT"
@@ -35,13 +42,7 @@ serve)
   ;;
 all)
   # one call: setup, the 7B reference on CUDA only (background), both CUDA recipes, serve, bench; one archive back
-  scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
-  timeout 120 scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/whl/*.whl
-  ref_env timeout 180 python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
-    --samples 64 --batch 16 --stream-ref --ref-cuda-only >"$OUT/i13/log.txt" 2>&1 &
-  bg=$!
+  prepare_and_start_reference 120 180 --ref-cuda-only
   timeout 170 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
   python3 scripts/gpu_session_summary.py "$OUT"
   wait $bg; echo "7B reference rc=$?"
@@ -49,5 +50,5 @@ all)
   timeout 150 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
   tar -C "$OUT" -czf /tmp/all.tgz --exclude='*.onnx*' . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/"
   ;;
-*) echo "usage: $0 build|serve" >&2; exit 2 ;;
+*) echo "usage: $0 build|serve|all" >&2; exit 2 ;;
 esac

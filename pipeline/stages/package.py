@@ -10,7 +10,7 @@ from .. import __version__
 from ..env import tool_versions
 from ..triton.manifest import BUILD_TOOLS
 from .base import Stage, StageContext, payload_bytes
-from .common import set_digests
+from .common import calibration_digests, set_digests
 
 
 
@@ -49,7 +49,7 @@ def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = No
     r = ctx.recipe
     source = json.loads((ctx.inputs["source"] / "source.json").read_text())
     q = r.quantize
-    calib = set_digests(r, [(q.calibration.set, q.calibration.split)]) if q.algo != "none" else {}
+    calib = calibration_digests(r)
     evals = set_digests(r, [(e.set, e.split) for e in r.validate_.eval])
     return {
         "forge_version": __version__,

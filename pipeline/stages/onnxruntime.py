@@ -69,6 +69,7 @@ class OrtExport(Stage):
     version = "2"   # 2: GroupQueryAttention graph with an in-place KV cache (export.attention), parity via the runtime
     needs = ("source",)
     tools = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime")
+
     def config(self, r):
         from ..recipe import export_attention
         return {**r.export.model_dump(), "attention": export_attention(r)}

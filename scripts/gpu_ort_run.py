@@ -8,6 +8,7 @@ Phases (each well under the device tool's 10 minutes; every phase writes ``$OUT/
   test     pytest -m gpu (the CUDA provider tests)
   build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 (source .. package; evaluate on the GPU vs FP32)
   serve    forge serve smollm2-135m-cuda-fp16 on the GPU, one /generate answer
+  diag     scripts/gpu_diag.py on the built engines: CUDA vs the CPU provider per position, attention switches
   bench    forge build smollm2-135m-cuda-fp32 --until build, then python -m bench.gpu (FP32/FP16/INT4, CUDA graphs
            on/off, ORT GenAI CUDA int4, PyTorch eager fp16)
 ``--dry-run`` prints the commands of a phase without running them (what the tests run on a CPU machine).
@@ -184,9 +185,14 @@ def bench(p: Phase, reps: int) -> None:
           "--out", str(OUT / "bench")], timeout=540, check=False)
 
 
+def diag(p: Phase) -> None:
+    engines = [str(OUT / "build" / r / "engine") for r in RECIPES if (OUT / "build" / r / "engine").exists() or p.dry]
+    p.sh([PY, "scripts/gpu_diag.py", *engines, "--out", str(OUT / "diag.json")], timeout=140, check=False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--phase", required=True, choices=["receive", "setup", "test", "build", "serve", "bench"])
+    ap.add_argument("--phase", required=True, choices=["receive", "setup", "test", "build", "serve", "bench", "diag"])
     ap.add_argument("--recipes", nargs="*", default=list(RECIPES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true")
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
     try:
         {"receive": lambda: receive(p), "setup": lambda: setup(p), "test": lambda: test(p),
          "build": lambda: build(p, a.recipes), "serve": lambda: serve(p, a.recipes[0]),
-         "bench": lambda: bench(p, a.reps)}[a.phase]()
+         "bench": lambda: bench(p, a.reps), "diag": lambda: diag(p)}[a.phase]()
     finally:
         p.res["finished"] = time.strftime("%H:%M:%S")
         p.save()

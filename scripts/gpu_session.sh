@@ -6,6 +6,8 @@
 #   scripts/gpu_session.sh serve   tritonserver on the GPU answers generate, the GPU bench (issue 17), then the
 #                                  single-GPU smoke of the distributed reference (issue 18)
 #   scripts/gpu_session.sh all     build + serve + bench in one call (the 7B reference on CUDA only), one archive back
+#   scripts/gpu_session.sh ort-build / ort-serve   issue 17 alone (no 7B reference, no .whl needed): tests, build,
+#                                  the CUDA-vs-CPU diagnosis (scripts/gpu_diag.py); then serve and bench
 # Each step stays under the device tool's 10-minute call limit; results land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,11 +16,16 @@ mkdir -p "$OUT/i13" "$OUT/i18"
 ref_env() { PYTHONPATH=/tmp/site:/tmp/fsite/site-packages:$PWD FORGE_PROGRESS=0 "$@"; }
 # the last part received, the bundle set up, the extra wheels installed; then the 7B reference (issue 13) started in
 # the background with its time limit and any further gpu_run.py flags: its pid in $bg
+# the last part received, the bundle set up (onnxruntime-gpu, model, texts) and the extra wheels installed
+prepare() {
+  scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
+  timeout "$1" scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
+  python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
+}
+pack() { tar -C "$OUT" -czf /tmp/all.tgz --exclude='*.onnx*' . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/"; }
 prepare_and_start_reference() {
   local setup_s=$1 ref_s=$2; shift 2
-  scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
-  timeout "$setup_s" scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
+  prepare "$setup_s"
   python3 -m pip install -q --no-index --no-deps --target /tmp/site /tmp/whl/*.whl
   ref_env timeout "$ref_s" python3 scripts/gpu_run.py --home /tmp --out "$OUT/i13" --work /tmp/forge-gpu --skip-smol \
     --samples 64 --batch 16 --stream-ref "$@" >"$OUT/i13/log.txt" 2>&1 &
@@ -48,7 +55,22 @@ all)
   wait $bg; echo "7B reference rc=$?"
   timeout 70 scripts/gpu_ort_run.sh --phase serve 2>&1 | grep -E '"answer"|seconds_to_answer|server_rc' | head
   timeout 150 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
-  tar -C "$OUT" -czf /tmp/all.tgz --exclude='*.onnx*' . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/"
+  pack
   ;;
-*) echo "usage: $0 build|serve|all" >&2; exit 2 ;;
+ort-build)
+  # issue 17 alone: the gpu tests, both CUDA recipes built, evaluated and packaged, the CUDA-vs-CPU diagnosis
+  prepare 150
+  timeout 90 scripts/gpu_ort_run.sh --phase test >/dev/null 2>&1; tail -3 "$OUT/test.log"
+  timeout 300 scripts/gpu_ort_run.sh --phase build >/dev/null 2>&1
+  python3 scripts/gpu_session_summary.py "$OUT"
+  timeout 150 scripts/gpu_ort_run.sh --phase diag >/dev/null 2>&1; tail -30 "$OUT/diag.log"
+  pack
+  ;;
+ort-serve)
+  # issue 17 alone, after ort-build on the same machine: tritonserver on the GPU answers generate, the GPU bench
+  timeout 150 scripts/gpu_ort_run.sh --phase serve 2>&1 | grep -E '"answer"|seconds_to_answer|server_rc' | head
+  timeout 380 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
+  pack
+  ;;
+*) echo "usage: $0 build|serve|all|ort-build|ort-serve" >&2; exit 2 ;;
 esac

@@ -49,10 +49,13 @@ try:  # progress bars inside forge; a no-op when this file runs on its own (Trit
 except Exception:  # pragma: no cover - exercised only outside the package
     _progress_bar = None
 
-__all__ = ["OrtEngine", "KVCache", "session_options", "sample_next", "LAYOUTS"]
+__all__ = ["OrtEngine", "KVCache", "session_options", "sample_next", "LAYOUTS", "CUDA_DISABLED_OPTIMIZERS"]
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
+# ORT fuses a residual Add into the next SimplifiedLayerNormalization (SkipSimplifiedLayerNormalization) on CUDA;
+# that kernel sums x^2 in fp16 and overflows on an attention-sink token (see pipeline/ort/fp16.py fuse_rms_norms)
+CUDA_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 CAPACITY_STEP = 64  # KV buffers grow in steps of this many positions (fewer re-allocations across requests)
 
 
@@ -168,9 +171,17 @@ class OrtEngine:
             if "CUDAExecutionProvider" not in providers or device != "cuda":
                 raise ValueError("cuda_graph needs providers=['CUDAExecutionProvider'] and device='cuda'")
         if "CUDAExecutionProvider" in providers:
-            opts = {"device_id": str(device_id), **({"enable_cuda_graph": "1"} if self.cuda_graph else {})}
+            # use_tf32 0: ORT's CUDA provider computes fp32 MatMuls in TF32 by default, which is not the fp32 an
+            # fp32 engine claims (a fp32 graph's build check moved by 0.054 on the H200); a fp16 graph is unaffected.
+            # Option names: onnxruntime/core/providers/cuda/cuda_execution_provider_info.cc (kUseTF32,
+            # kEnableCudaGraph), microsoft/onnxruntime@90ed1589
+            opts = {"device_id": str(device_id), "use_tf32": "0",
+                    **({"enable_cuda_graph": "1"} if self.cuda_graph else {})}
             providers = [("CUDAExecutionProvider", opts) if p == "CUDAExecutionProvider" else p for p in providers]
-        self.session = ort.InferenceSession(str(self.model_path), self.options, providers=providers)
+        on_cuda = any(p[0] == "CUDAExecutionProvider" for p in providers if isinstance(p, tuple))
+        self.session = ort.InferenceSession(str(self.model_path), self.options, providers=providers,
+                                            **({"disabled_optimizers": list(CUDA_DISABLED_OPTIMIZERS)}
+                                               if on_cuda else {}))
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))

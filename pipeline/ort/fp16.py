@@ -1,9 +1,14 @@
 """FP16 graphs for the CUDA provider: ONNX Runtime's own float16 converter with forge's block list.
 
-What stays fp32 and why (SmolLM2's exported graph, measured): the RMSNorm of the export is decomposed
-(``Pow -> ReduceMean -> Add eps -> Sqrt -> Reciprocal``); ``x**2`` overflows fp16 (max 65504) once a hidden
-activation exceeds 256 in magnitude, and the residual stream of this model has outlier channels in the
-thousands (see pipeline/ort/quantize.py), so those statistic ops run in fp32 and the converter inserts the casts.
+The norm statistics must not be computed in fp16: ``x**2`` overflows fp16 (max 65504) once a hidden activation
+exceeds 256 in magnitude, and SmolLM2's attention-sink token (position 0) has mean(x^2) of 1.08e6 from layer 12 on
+(measured, fp32 torch). So the exported RMSNorms (``Pow -> ReduceMean -> Add eps -> Sqrt -> Reciprocal -> Mul``)
+are first fused into ``SimplifiedLayerNormalization`` (fp32 statistics inside the kernel, ``fuse_rms_norms``).
+A norm the fusion does not match keeps its statistic ops in fp32 (``FP32_OPS``, casts inserted), and its
+``Add eps`` between them is an ``Add`` like the residual adds, so it is kept fp32 by node name
+(``norm_statistic_adds``): a fp16 Add turns that 1.08e6 into inf, Sqrt/Reciprocal into 0 and the normed row into
+all zeros. On the CPU provider ORT runs fp16 nodes it has no fp16 kernel for in fp32, which hid this; on CUDA it cost +40 %
+perplexity (H200, onnxruntime-gpu 1.31.1).
 ``Softmax`` (none in the GroupQueryAttention graph, which keeps its softmax inside the op in fp32 on CUDA, but the
 standard-attention export has one per layer) stays fp32 too. The ``logits`` output stays fp32 (evaluate compares
 it against FP32 torch); the KV cache inputs/outputs become fp16 so the runtime binds them in fp16 and the
@@ -18,15 +23,16 @@ from pathlib import Path
 
 from .export import META_FILE, MODEL_FILE, copy_side_files
 
-__all__ = ["FP32_OPS", "KEEP_FP32_IO", "convert_fp16", "fp32_nodes"]
+__all__ = ["FP32_OPS", "KEEP_FP32_IO", "convert_fp16", "fp32_nodes", "fuse_rms_norms", "norm_statistic_adds"]
 
 FP32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax")
 KEEP_FP32_IO = ("logits",)
 
 
-def convert_fp16(in_dir: str | Path, out_dir: str | Path) -> dict:
+def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = True) -> dict:
     """``in_dir/model.onnx`` (fp32, or weight-only quantized with fp32 scales) -> ``out_dir/model.onnx`` in fp16
-    (external data), side files copied and ``forge_ort.json`` updated (``dtype: fp16``). Returns metrics."""
+    (external data), side files copied and ``forge_ort.json`` updated (``dtype: fp16``). ``fuse_norms``: RMSNorms
+    become ``SimplifiedLayerNormalization`` first (see ``fuse_rms_norms``). Returns metrics."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
     from onnxruntime.transformers.onnx_model import OnnxModel
@@ -34,12 +40,15 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path) -> dict:
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     om = OnnxModel(onnx.load(str(in_dir / MODEL_FILE)))
+    fused = fuse_rms_norms(om) if fuse_norms else 0
+    eps_adds = norm_statistic_adds(om.model)   # norms the fusion did not match
     # OnnxModel's wrapper, not float16.convert_float_to_float16 directly: it runs ORT's symbolic shape inference
     # (which knows the contrib ops) first and sorts the graph after. The bare converter with onnx's shape inference
     # mis-typed this graph (value infos of com.microsoft outputs unknown): all-zero logits, measured on CPU.
     # The op list covers the model's own ops; DEFAULT_OP_BLOCK_LIST (ops without fp16 kernels) is ORT's.
     om.convert_float_to_float16(keep_io_types=list(KEEP_FP32_IO),
                                 op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FP32_OPS),
+                                node_block_list=eps_adds,
                                 use_symbolic_shape_infer=True)
     model16 = om.model
     dropped = drop_duplicate_nodes(model16)
@@ -53,8 +62,45 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path) -> dict:
     meta["fp16"] = {"tool": "onnxruntime.transformers.onnx_model.OnnxModel.convert_float_to_float16",
                     "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO)}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
-    return {"fp32_nodes": dict(Counter(n.op_type for n in fp32_nodes(model16))),
+    return {"fp32_nodes": dict(Counter(n.op_type for n in fp32_nodes(model16))), "fp32_eps_adds": len(eps_adds),
+            "fused_rms_norms": fused,
             "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO), "duplicate_nodes_dropped": dropped}
+
+
+def fuse_rms_norms(om) -> int:
+    """Every decomposed RMSNorm -> one ``SimplifiedLayerNormalization`` node, by ONNX Runtime's own fusion
+    (onnxruntime.transformers.fusion_simplified_layernorm, the Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul pattern of
+    our export). Its CUDA kernel takes fp16 in and out and accumulates the statistics in fp32 (ORT's LayerNorm
+    kernels, U = float for MLFloat16), so no cast surrounds it: ~11 nodes per norm become 1 (61 norms in SmolLM2,
+    247 casts -> 3), which matters for decode, where every node is a kernel launch.
+    The residual ``Add`` before each norm is NOT fused into ``SkipSimplifiedLayerNormalization``: that CUDA kernel
+    sums x^2 in the input type unless ``enable_skip_layer_norm_strict_mode`` is on
+    (onnxruntime/contrib_ops/cuda/bert/skip_layer_norm_impl.cu, ``cub::KeyValuePair<T, T>``,
+    microsoft/onnxruntime@02ce7d40), which overflows fp16 on the attention-sink token; pipeline.ort.engine turns
+    ORT's own fusion of it off on CUDA. Returns the number of norms fused."""
+    from onnxruntime.transformers.fusion_simplified_layernorm import FusionSimplifiedLayerNormalization
+
+    FusionSimplifiedLayerNormalization(om).apply()
+    om.prune_graph()
+    return sum(n.op_type == "SimplifiedLayerNormalization" for n in om.model.graph.node)
+
+
+def norm_statistic_adds(model) -> list[str]:
+    """Names of the ``Add`` nodes that read a ``ReduceMean`` of a ``Pow`` (the ``+ eps`` of an RMSNorm or a
+    LayerNorm's variance): kept fp32 with the statistics around them. Nameless ones get a name (the converter's
+    node block list is by name)."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    names = []
+    for i, n in enumerate(model.graph.node):
+        if n.op_type != "Add":
+            continue
+        srcs = [producer.get(x) for x in n.input]
+        if any(s is not None and s.op_type == "ReduceMean" and (p := producer.get(s.input[0])) is not None
+               and p.op_type == "Pow" for s in srcs):
+            if not n.name:
+                n.name = f"forge_norm_eps_add_{i}"
+            names.append(n.name)
+    return names
 
 
 def drop_duplicate_nodes(model) -> int:

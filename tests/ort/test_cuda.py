@@ -119,19 +119,94 @@ def tiny_fp16_dir(tiny_onnx_dir, tmp_path_factory):
     return out
 
 
-def test_fp16_keeps_norm_statistics_and_logits_fp32(tiny_fp16_dir):
+@pytest.fixture(scope="module")
+def tiny_fp16_unfused_dir(tiny_onnx_dir, tmp_path_factory):
+    """The fallback for norms ORT's fusion does not match: decomposed norms, statistics kept fp32 by the converter."""
+    from pipeline.ort.fp16 import convert_fp16
+    out = tmp_path_factory.mktemp("tiny_fp16_unfused")
+    convert_fp16(tiny_onnx_dir, out, fuse_norms=False)
+    return out
+
+
+def test_fp16_fuses_every_rms_norm(tiny_fp16_dir):
+    """Each RMSNorm is one SimplifiedLayerNormalization (fp32 statistics inside ORT's kernel) reading fp16: nothing
+    of the decomposed norm is left, so no cast surrounds it."""
+    import onnx
+    m = onnx.load(str(tiny_fp16_dir / "model.onnx"), load_external_data=False)
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("SimplifiedLayerNormalization") == 2 * 2 + 1      # 2 layers x 2 norms + the final norm
+    assert not {"Pow", "ReduceMean", "Sqrt", "Reciprocal"} & set(ops)
+    assert ops.count("Cast") <= 3, ops.count("Cast")
+    types = {v.name: v.type.tensor_type.elem_type for v in m.graph.value_info}
+    norms = [n for n in m.graph.node if n.op_type == "SimplifiedLayerNormalization"]
+    assert all(types.get(n.output[0]) == onnx.TensorProto.FLOAT16 for n in norms)
+
+
+def test_fp16_keeps_norm_statistics_and_logits_fp32(tiny_fp16_unfused_dir):
     import onnx
     from pipeline.ort.fp16 import fp32_nodes
-    m = onnx.load(str(tiny_fp16_dir / "model.onnx"), load_external_data=False)
+    m = onnx.load(str(tiny_fp16_unfused_dir / "model.onnx"), load_external_data=False)
     io = {v.name: v.type.tensor_type.elem_type for v in (*m.graph.input, *m.graph.output)}
     assert io["logits"] == onnx.TensorProto.FLOAT
     assert io["past_key_values.0.key"] == io["present.0.key"] == onnx.TensorProto.FLOAT16   # KV bound in fp16
     kept = {n.op_type for n in fp32_nodes(m)}
-    assert {"Pow", "ReduceMean"} <= kept, kept                 # the RMSNorm statistics
+    assert {"Pow", "ReduceMean", "Add"} <= kept, kept          # the RMSNorm statistics, `+ eps` included
     assert "MatMul" not in kept and "GroupQueryAttention" not in kept      # the heavy ops are fp16
     weights = [i for i in m.graph.initializer if len(i.dims) == 2 and min(i.dims) >= 64]
     assert weights and all(i.data_type == onnx.TensorProto.FLOAT16 for i in weights)
-    assert json.loads((tiny_fp16_dir / "forge_ort.json").read_text())["dtype"] == "fp16"
+    assert json.loads((tiny_fp16_unfused_dir / "forge_ort.json").read_text())["dtype"] == "fp16"
+
+
+def _first_norm_chain(m):
+    """(input, output) of the first RMSNorm of a graph: x -> Pow -> ReduceMean -> Add eps -> Sqrt -> Reciprocal,
+    then the Mul of x by that reciprocal."""
+    prod = {o: n for n in m.graph.node for o in n.output}
+    cons = {}
+    for n in m.graph.node:
+        for i in n.input:
+            cons.setdefault(i, []).append(n)
+    recip = next(n for n in m.graph.node if n.op_type == "Reciprocal")
+    x = recip.input[0]
+    while prod[x].op_type != "Pow":                     # walk back Sqrt, Add, ReduceMean and the casts
+        x = prod[x].input[0]
+    pow_in = prod[x].input[0]
+    x_in = prod[pow_in].input[0] if prod.get(pow_in) is not None and prod[pow_in].op_type == "Cast" else pow_in
+    out = recip.output[0]
+    while True:                                         # forward through casts to the Mul that also reads x
+        nxt = cons[out][0]
+        if nxt.op_type == "Mul":
+            return x_in, nxt.output[0]
+        out = nxt.output[0]
+
+
+def test_fp16_norm_statistics_survive_an_attention_sink_activation(tiny_fp16_unfused_dir):
+    """The bug of the first H200 run: mean(x^2) of the sink token (1.08e6 in SmolLM2) overflowed the fp16 `+ eps`
+    Add, and the normed row came out all zeros on CUDA. The converted norm itself, run by ONNX's reference
+    evaluator (which computes fp16 ops in fp16, as CUDA does), must give x / rms(x) for such a row."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+    from onnx.utils import Extractor
+    from pipeline.ort.fp16 import fp32_nodes
+    m = onnx.load(str(tiny_fp16_unfused_dir / "model.onnx"))
+    adds = [n for n in fp32_nodes(m) if n.op_type == "Add"]
+    assert len(adds) == sum(n.op_type == "Pow" for n in m.graph.node) > 0   # every norm's `+ eps` is fp32
+    x_name, y_name = _first_norm_chain(m)
+    sub = Extractor(m).extract_model([x_name], [y_name])
+    nodes, known = list(sub.graph.node), {x_name, "", *(i.name for i in sub.graph.initializer)}
+    order = []
+    while nodes:                                        # the converter appends its Casts: sort topologically
+        n = next(n for n in nodes if all(i in known for i in n.input))
+        nodes.remove(n)
+        order.append(n)
+        known.update(n.output)
+    del sub.graph.node[:]
+    sub.graph.node.extend(order)
+    x = np.random.default_rng(0).standard_normal((1, 3, 64)).astype(np.float16)
+    x[0, 0, 5] = 4000.0                                 # mean(x^2) = 4000^2 / 64 = 250,000 > 65504
+    (y,) = ReferenceEvaluator(sub).run(None, {x_name: x})
+    want = x.astype(np.float64) / np.sqrt((x.astype(np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+    assert np.isfinite(y).all() and np.abs(y[0, 0]).max() > 1.0, y[0, 0]
+    np.testing.assert_allclose(y.astype(np.float64), want, rtol=2e-2, atol=2e-2)
 
 
 def test_fp16_graph_on_cpu_provider_close_to_fp32(tiny_onnx_dir, tiny_fp16_dir):
@@ -176,6 +251,43 @@ def test_cuda_engine_matches_cpu(tiny_onnx_dir, tiny_fp16_dir):
     assert gpu.generate_batch(PROMPTS, 16) == cpu.generate_batch(PROMPTS, 16)
 
 
+@pytest.fixture(scope="module")
+def sink_dirs(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with an attention-sink activation like SmolLM2's: token 1's embedding carries one channel of
+    4000 (mean(x^2) 250,000 > fp16's 65504 in every norm). Returns (fp32 export, fp16 conversion)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from pipeline.ort.export import export_onnx
+    from pipeline.ort.fp16 import convert_fp16
+    hf = tmp_path_factory.mktemp("sink_hf")
+    m = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    with torch.no_grad():
+        m.model.embed_tokens.weight[1, 5] = 4000.0
+    m.save_pretrained(hf)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(tiny_llama_dir) / f).exists():
+            (hf / f).write_bytes((Path(tiny_llama_dir) / f).read_bytes())
+    fp32, fp16 = tmp_path_factory.mktemp("sink_fp32"), tmp_path_factory.mktemp("sink_fp16")
+    export_onnx(hf, fp32, parity={"fp32": {"atol": 1e-2, "rtol": 1e-3}})
+    convert_fp16(fp32, fp16)
+    return fp32, fp16
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_fp16_survives_an_attention_sink_activation(sink_dirs):
+    """On CUDA the fp16 graph computes fp16 nodes in fp16 (the CPU provider upcasts what it has no fp16 kernel for,
+    which hid the first H200 run's +40 % perplexity): every row starting with the sink token must match FP32."""
+    from pipeline.ort.engine import OrtEngine
+    fp32, fp16 = sink_dirs
+    ids = np.random.default_rng(2).integers(3, 256, size=(2, 32))
+    ids[:, 0] = 1                                       # the sink token first, as a BOS would be
+    a = OrtEngine(fp32, threads=1).logits(ids)
+    b = OrtEngine(fp16, providers=["CUDAExecutionProvider"], device="cuda").logits(ids)
+    assert np.linalg.norm(b, axis=-1).min() > 0          # no all-zero position
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.95
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_graph_decode_matches_plain_cuda(tiny_fp16_dir):
@@ -203,7 +315,7 @@ def test_cuda_recipe_stops_at_build_with_exit_3_and_the_finish_command(tmp_path)
     assert all(st[s] in ("hit", "built") for s in ("source", "export", "quantize"))
 
 
-@pytest.mark.parametrize("phase", ["receive", "setup", "test", "build", "serve", "bench"])
+@pytest.mark.parametrize("phase", ["receive", "setup", "test", "build", "serve", "bench", "diag"])
 def test_gpu_run_script_phases_dry_run(phase, tmp_path):
     """scripts/gpu_ort_run.py (the lead's one device script): every phase runs here as a dry run and writes its
     JSON under $OUT."""

@@ -135,7 +135,10 @@ FIGURES = {"prefill 4x256 tok/s": ("prefill", "4", "tokens_per_s"), "prefill 1x2
 RATIOS = [("FP16 / FP32", "fp16", "fp32"), ("INT4 / FP16", "int4", "fp16"),
           ("FP16 CUDA graph / off", "fp16+graph", "fp16"), ("INT4 CUDA graph / off", "int4+graph", "int4"),
           ("FP16 / ORT GenAI CUDA int4", "fp16", "oga-cuda-int4"), ("INT4 / ORT GenAI CUDA int4", "int4", "oga-cuda-int4"),
-          ("FP16 / PyTorch eager fp16", "fp16", "torch-fp16")]
+          ("FP16 / PyTorch eager fp16", "fp16", "torch-fp16"),
+          ("INT4 CUDA graph / FP16 CUDA graph", "int4+graph", "fp16+graph"),
+          ("FP16 CUDA graph / ORT GenAI CUDA int4", "fp16+graph", "oga-cuda-int4"),
+          ("FP16 CUDA graph / PyTorch eager fp16", "fp16+graph", "torch-fp16")]
 
 
 def markdown(results: dict) -> str:
@@ -174,6 +177,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph runs")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--env-variant", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                    help="also measure fp16 with CUDA graphs under these environment variables (ONNX Runtime's "
+                         "attention-kernel switches, e.g. cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.one:
@@ -195,6 +201,12 @@ def main(argv=None) -> int:
         specs.append({"name": name, "kind": "ours", "path": d, "tokenizer": d})
         if not a.no_graphs and name != "fp32":     # fp32 engine: standard attention (no fixed-shape decode)
             specs.append({"name": f"{name}+graph", "kind": "ours", "path": d, "tokenizer": d, "cuda_graph": True})
+    for v in a.env_variant:
+        label, _, assigns = v.partition(":")
+        env = dict(x.split("=", 1) for x in assigns.split(",") if "=" in x)
+        if "fp16" in engines and label and env:
+            specs.append({"name": f"fp16+graph+{label}", "kind": "ours", "path": engines["fp16"], "tokenizer": tok,
+                          "cuda_graph": True, "env": env})
     if a.hf_dir and not a.no_peers:
         specs.append({"name": "torch-fp16", "kind": "torch", "path": a.hf_dir, "tokenizer": tok})
         try:
@@ -213,7 +225,8 @@ def main(argv=None) -> int:
         sp = out / f"{s['name']}.spec.json"
         sp.write_text(json.dumps(s))
         print(f"== {s['name']}", flush=True)
-        subprocess.run([sys.executable, "-m", "bench.gpu", "--one", str(sp)], check=False)
+        subprocess.run([sys.executable, "-m", "bench.gpu", "--one", str(sp)], check=False,
+                       env={**os.environ, **s.get("env", {})})
         results["engines"][s["name"]] = json.loads(Path(s["result"]).read_text()) if Path(s["result"]).exists() \
             else {"error": "worker wrote no result"}
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from .export import META_FILE, MODEL_FILE, copy_side_files
+from .pack_qkv import pack_qkv
 
 __all__ = ["FP32_OPS", "KEEP_FP32_IO", "convert_fp16", "fp32_nodes", "fuse_rms_norms", "norm_statistic_adds"]
 
@@ -29,10 +30,12 @@ FP32_OPS = ("Pow", "ReduceMean", "Sqrt", "Reciprocal", "Softmax")
 KEEP_FP32_IO = ("logits",)
 
 
-def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = True) -> dict:
+def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = True, fuse_qkv: bool = True) -> dict:
     """``in_dir/model.onnx`` (fp32, or weight-only quantized with fp32 scales) -> ``out_dir/model.onnx`` in fp16
     (external data), side files copied and ``forge_ort.json`` updated (``dtype: fp16``). ``fuse_norms``: RMSNorms
-    become ``SimplifiedLayerNormalization`` first (see ``fuse_rms_norms``). Returns metrics."""
+    become ``SimplifiedLayerNormalization`` first (see ``fuse_rms_norms``); ``fuse_qkv``: each attention's q/k/v
+    projections become one (pipeline.ort.pack_qkv). Both keep the numbers and cut the kernels of a decode step.
+    Returns metrics."""
     import onnx
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST
     from onnxruntime.transformers.onnx_model import OnnxModel
@@ -40,6 +43,7 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     om = OnnxModel(onnx.load(str(in_dir / MODEL_FILE)))
+    packed = pack_qkv(om.model) if fuse_qkv else 0
     fused = fuse_rms_norms(om) if fuse_norms else 0
     eps_adds = norm_statistic_adds(om.model)   # norms the fusion did not match
     # OnnxModel's wrapper, not float16.convert_float_to_float16 directly: it runs ORT's symbolic shape inference
@@ -63,7 +67,7 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = 
                     "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO)}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     return {"fp32_nodes": dict(Counter(n.op_type for n in fp32_nodes(model16))), "fp32_eps_adds": len(eps_adds),
-            "fused_rms_norms": fused,
+            "fused_rms_norms": fused, "packed_qkv": packed,
             "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO), "duplicate_nodes_dropped": dropped}
 
 

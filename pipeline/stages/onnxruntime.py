@@ -156,7 +156,7 @@ class OrtQuantize(Stage):
 class OrtBuildStage(CudaAware, Stage):
     """ONNX Runtime graph optimisations applied and saved, session options recorded."""
     name = "build"
-    version = "1"
+    version = "2"   # 2: fp16 (CUDA) graphs with fused RMSNorms and packed QKV (the fp16 norm-statistics overflow)
     needs = ("quantize", "source")
     tools = ORT_TOOLS
     section = "build.onnxruntime"

@@ -1,0 +1,97 @@
+"""Packed QKV for GroupQueryAttention graphs: one projection MatMul per attention instead of three.
+
+Each attention of the export reads ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)``: three MatMuls of one input. Their
+weights are concatenated along the output axis into one MatMul whose output GroupQueryAttention takes as packed QKV,
+with its key and value inputs left empty (contract: onnxruntime/core/graph/contrib_ops/bert_defs.cc, the
+GroupQueryAttention schema: input 0 "Query with shape (batch_size, sequence_length, hidden_size), or packed QKV with
+shape (batch_size, sequence_length, d) where d is (num_heads * head_size + 2 * kv_num_heads * head_size)", inputs 1
+and 2 ``OpSchema::Optional``; q, k, v in that order, as the concatenation lays them out). The numbers do not change (the same dot products), but a decode
+step launches two fewer kernels per layer, and decode of a small model on a GPU is bound by kernel launches.
+
+Plain ``MatMul`` (weight [K, N]: concatenated on axis 1) and weight-only ``MatMulNBits`` (B [N, blocks, blob],
+scales and zero points by row of N: concatenated on axis 0, ``N`` summed; contract
+onnxruntime/core/graph/contrib_ops/contrib_defs.cc MatMulNBits) are packed; anything else (mixed ops, other
+attributes, ``g_idx``/bias inputs, an output read by something other than the attention) is left as it is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["pack_qkv"]
+
+_NBITS_SAME = ("K", "bits", "block_size", "accuracy_level")
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def pack_qkv(model) -> int:
+    """Rewrite ``model`` (an ``onnx.ModelProto`` loaded with its external data) in place; returns the number of
+    attentions packed."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    for o in g.output:
+        readers[o.name] = readers.get(o.name, 0) + 1
+
+    packed = 0
+    for att in [n for n in g.node if n.op_type == "GroupQueryAttention"]:
+        if len(att.input) < 3 or not att.input[1] or not att.input[2]:
+            continue
+        projs = [producer.get(x) for x in att.input[:3]]
+        if any(p is None for p in projs) or len({p.op_type for p in projs}) != 1 or \
+                len({p.input[0] for p in projs}) != 1 or any(readers.get(p.output[0]) != 1 for p in projs):
+            continue
+        op = projs[0].op_type
+        if op == "MatMul":
+            if any(p.input[1] not in inits for p in projs):
+                continue
+            ws = [numpy_helper.to_array(inits[p.input[1]]) for p in projs]
+            if any(w.ndim != 2 or w.shape[0] != ws[0].shape[0] or w.dtype != ws[0].dtype for w in ws):
+                continue
+            tensors = {"w": np.concatenate(ws, axis=1)}
+            attrs = {}
+        elif op == "MatMulNBits":
+            ats = [_attrs(p) for p in projs]
+            if any(len(p.input) > 4 or any(i not in inits for i in p.input[1:] if i) for p in projs) or \
+                    len({len(p.input) for p in projs}) != 1 or \
+                    any(tuple(a.get(k) for k in _NBITS_SAME) != tuple(ats[0].get(k) for k in _NBITS_SAME) for a in ats):
+                continue
+            tensors = {}
+            for j, key in enumerate(("B", "scales", "zero_points"), start=1):
+                if j < len(projs[0].input) and projs[0].input[j]:
+                    tensors[key] = np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in projs], axis=0)
+            attrs = {**ats[0], "N": int(sum(a["N"] for a in ats))}
+        else:
+            continue
+        base = projs[0].name or att.name
+        names = []
+        for key, arr in tensors.items():
+            name = f"{base}_qkv_{key}"
+            g.initializer.append(numpy_helper.from_array(arr, name))
+            names.append(name)
+        out = f"{projs[0].output[0]}_qkv"
+        node = helper.make_node(op, [projs[0].input[0], *names], [out], name=f"{base}_qkv",
+                                domain=projs[0].domain, **attrs)
+        at = list(g.node).index(projs[0])
+        g.node.insert(at, node)
+        for p in projs:
+            g.node.remove(p)
+        att.input[0], att.input[1], att.input[2] = out, "", ""
+        packed += 1
+    if packed:
+        used = {i for n in g.node for i in n.input}
+        for init in list(g.initializer):
+            if init.name not in used:
+                g.initializer.remove(init)
+    return packed

@@ -1,0 +1,75 @@
+"""pipeline.ort.pack_qkv: the q/k/v projections of each attention as one MatMul (packed QKV into
+GroupQueryAttention). The rewrite must not change a number: same logits, same generated tokens, for plain MatMul and
+weight-only MatMulNBits graphs, and it must leave alone what it cannot pack."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+PROMPTS = [[5, 17, 33, 3, 60, 61, 9], [7, 8, 100, 4]]
+
+
+def _packed_copy(src, dst):
+    import onnx
+    from pipeline.ort.export import copy_side_files
+    from pipeline.ort.pack_qkv import pack_qkv
+    m = onnx.load(str(src / "model.onnx"))
+    n = pack_qkv(m)
+    dst.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(m, str(dst / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=1024)
+    copy_side_files(src, dst)
+    return n, m
+
+
+def _same_engine(a_dir, b_dir, atol):
+    from pipeline.ort.engine import OrtEngine
+    ids = np.random.default_rng(0).integers(3, 256, size=(2, 20))
+    a, b = OrtEngine(a_dir, threads=1), OrtEngine(b_dir, threads=1)
+    np.testing.assert_allclose(b.logits(ids), a.logits(ids), atol=atol, rtol=0)
+    assert b.generate_batch(PROMPTS, 12) == a.generate_batch(PROMPTS, 12)
+
+
+def test_packs_every_attention_of_a_matmul_graph_without_changing_logits(tiny_onnx_dir, tmp_path):
+    n, m = _packed_copy(tiny_onnx_dir, tmp_path / "packed")
+    gqa = [x for x in m.graph.node if x.op_type == "GroupQueryAttention"]
+    assert n == len(gqa) == 2
+    assert all(x.input[1] == "" and x.input[2] == "" for x in gqa)
+    ops = [x.op_type for x in m.graph.node]
+    assert ops.count("MatMul") == 2 * (7 - 2) + 1      # per layer q,k,v -> 1 (+ o, gate, up, down), + lm_head
+    _same_engine(tiny_onnx_dir, tmp_path / "packed", atol=1e-4)
+
+
+def test_packs_matmulnbits_int4_without_changing_logits(tiny_onnx_dir, tmp_path):
+    from pipeline.ort.quantize import quantize_onnx
+    q = tmp_path / "int4"
+    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32})
+    n, m = _packed_copy(q, tmp_path / "packed")
+    assert n == 2
+    packed = [x for x in m.graph.node if x.op_type == "MatMulNBits" and x.name.endswith("_qkv")]
+    assert len(packed) == 2
+    assert {a.name: a.i for a in packed[0].attribute}["N"] == 64 + 2 * 32   # 4 heads + 2 x 2 kv heads of 16
+    _same_engine(q, tmp_path / "packed", atol=1e-4)
+
+
+def test_leaves_an_attention_whose_projection_is_read_elsewhere(tiny_onnx_dir, tmp_path):
+    """A k projection also read by another node cannot be folded away: that attention stays unpacked."""
+    import onnx
+    from onnx import helper
+    from pipeline.ort.pack_qkv import pack_qkv
+    m = onnx.load(str(tiny_onnx_dir / "model.onnx"))
+    att = next(x for x in m.graph.node if x.op_type == "GroupQueryAttention")
+    m.graph.node.append(helper.make_node("Identity", [att.input[1]], ["k_probe"]))
+    m.graph.output.append(helper.make_tensor_value_info("k_probe", onnx.TensorProto.FLOAT, None))
+    assert pack_qkv(m) == 1
+    assert att.input[1] != ""
+
+
+def test_converted_fp16_graph_is_packed_and_fused(tiny_onnx_dir, tmp_path):
+    from pipeline.ort.fp16 import convert_fp16
+    metrics = convert_fp16(tiny_onnx_dir, tmp_path / "fp16")
+    assert metrics["packed_qkv"] == 2 and metrics["fused_rms_norms"] == 5
+    unpacked = convert_fp16(tiny_onnx_dir, tmp_path / "fp16_unpacked", fuse_qkv=False)
+    assert unpacked["packed_qkv"] == 0
+    _same_engine(tmp_path / "fp16_unpacked", tmp_path / "fp16", atol=2e-2)

@@ -60,11 +60,13 @@ bench: setup
 	@if $(BIN)/python -c "from pipeline.env import ort_cuda_status as s; raise SystemExit(bool(s()['problem']))" 2>/dev/null; \
 	  then $(MAKE) bench-gpu; else echo "bench-gpu skipped: no usable CUDA provider (forge doctor says why)"; fi
 
-# GPU: FP32/FP16/INT4 CUDA engines, CUDA graphs on/off, ORT GenAI CUDA int4, PyTorch eager fp16 (bench/gpu.py)
+# GPU: FP32/FP16/INT4/INT8-weight-only CUDA engines, CUDA graphs on/off, ORT GenAI CUDA int4, PyTorch eager fp16 (bench/gpu.py)
 bench-gpu: setup
-	-$(BIN)/forge build smollm2-135m-cuda-fp32 smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 --report-dir out --keep-going
+	-$(BIN)/forge build smollm2-135m-cuda-fp32 smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 smollm2-135m-cuda-int8wo \
+	  --report-dir out --keep-going
 	$(BIN)/python -m bench.gpu --engine fp32=out/smollm2-135m-cuda-fp32/engine --engine fp16=out/smollm2-135m-cuda-fp16/engine \
-	  --engine int4=out/smollm2-135m-cuda-int4/engine --hf-dir "$$($(BIN)/python -c "from bench.run import hf_dir_from_report; import json; print(hf_dir_from_report(json.load(open('out/smollm2-135m-cuda-fp16/report.json'))) or '')")" \
+	  --engine int4=out/smollm2-135m-cuda-int4/engine --engine int8wo=out/smollm2-135m-cuda-int8wo/engine \
+	  --env-variant cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 --hf-dir "$$($(BIN)/python -c "from bench.run import hf_dir_from_report; import json; print(hf_dir_from_report(json.load(open('out/smollm2-135m-cuda-fp16/report.json'))) or '')")" \
 	  --out bench/out-gpu
 
 bench-peers: setup

@@ -137,6 +137,7 @@ RATIOS = [("FP16 / FP32", "fp16", "fp32"), ("INT4 / FP16", "int4", "fp16"),
           ("FP16 / ORT GenAI CUDA int4", "fp16", "oga-cuda-int4"), ("INT4 / ORT GenAI CUDA int4", "int4", "oga-cuda-int4"),
           ("FP16 / PyTorch eager fp16", "fp16", "torch-fp16"),
           ("INT4 CUDA graph / FP16 CUDA graph", "int4+graph", "fp16+graph"),
+          ("INT8 w/o CUDA graph / FP16 CUDA graph", "int8wo+graph", "fp16+graph"),
           ("FP16 CUDA graph / ORT GenAI CUDA int4", "fp16+graph", "oga-cuda-int4"),
           ("FP16 CUDA graph / PyTorch eager fp16", "fp16+graph", "torch-fp16")]
 
@@ -171,7 +172,7 @@ def markdown(results: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--engine", action="append", default=[], help="NAME=DIR of a forge CUDA engine (fp32, fp16, int4)")
+    ap.add_argument("--engine", action="append", default=[], help="NAME=DIR of a forge CUDA engine (fp32, fp16, int4, int8wo)")
     ap.add_argument("--hf-dir", help="fp32 HF dir: PyTorch eager fp16 and ORT GenAI's model builder read it")
     ap.add_argument("--out", default="bench/out-gpu")
     ap.add_argument("--reps", type=int, default=3)

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 
 # each variant runs in its own process: ORT reads these switches when a kernel is created
-VARIANTS = {"default": {}, "cudnn_sdpa_off": {"ORT_ENABLE_CUDNN_FLASH_ATTENTION": "0"},
-            "flash_off": {"ORT_DISABLE_FLASH_ATTENTION": "1"}}
+VARIANTS = {"default": {}, "cudnn_sdpa_off": {"ORT_ENABLE_CUDNN_FLASH_ATTENTION": "0"}}
 
 
 def compare(engine_dir: str, batch: int, seq: int) -> dict:

@@ -6,7 +6,7 @@ Phases (each well under the device tool's 10 minutes; every phase writes ``$OUT/
   setup    reassemble + check the bundle, install onnxruntime-gpu and the wheels into /tmp/fsite/site-packages, FORGE_HOME with
            the default model's GGUF and the eval/calibration text; `forge doctor --json`
   test     pytest -m gpu (the CUDA provider tests)
-  build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 (source .. package; evaluate on the GPU vs FP32)
+  build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 smollm2-135m-cuda-int8wo (source .. package; evaluate on the GPU vs FP32)
   serve    forge serve smollm2-135m-cuda-fp16 on the GPU, one /generate answer
   diag     scripts/gpu_diag.py on the built engines: CUDA vs the CPU provider per position, attention switches
   bench    forge build smollm2-135m-cuda-fp32 --until build, then python -m bench.gpu (FP32/FP16/INT4, CUDA graphs
@@ -34,7 +34,7 @@ CARRY = Path(os.environ.get("FORGE_CARRY_DIR", "/tmp/forge_carry"))
 SITE = Path(os.environ.get("FORGE_SITE", "/tmp/fsite/site-packages"))
 HOME = Path(os.environ.get("FORGE_HOME", "/tmp/fh"))
 OUT = Path(os.environ.get("OUT") or ROOT / "out-gpu")
-RECIPES = ("smollm2-135m-cuda-fp16", "smollm2-135m-cuda-int4")
+RECIPES = ("smollm2-135m-cuda-fp16", "smollm2-135m-cuda-int4", "smollm2-135m-cuda-int8wo")
 PY = sys.executable
 
 
@@ -178,7 +178,8 @@ def bench(p: Phase, reps: int) -> None:
     p.sh([PY, "-m", "pipeline.cli", "build", "smollm2-135m-cuda-fp32", *RECIPES, "--until", "build", "--report-dir",
           str(OUT / "build")], check=False)
     engines = []
-    for name, r in (("fp32", "smollm2-135m-cuda-fp32"), ("fp16", RECIPES[0]), ("int4", RECIPES[1])):
+    for name, r in (("fp32", "smollm2-135m-cuda-fp32"), ("fp16", RECIPES[0]), ("int4", RECIPES[1]),
+                    ("int8wo", RECIPES[2])):
         link = OUT / "build" / r / "engine"
         engines += ["--engine", f"{name}={link.resolve() if link.exists() else link}"]
     hf = sorted((HOME / "models").glob("*/config.json"))

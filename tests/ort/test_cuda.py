@@ -31,6 +31,9 @@ def test_schema_accepts_providers_and_cuda_recipes():
     r = resolve("smollm2-135m-cuda-fp16")
     assert (r.build.onnxruntime.provider, r.build.onnxruntime.precision) == ("cuda", "fp16")
     assert resolve("smollm2-135m-cuda-int4").quantize.algo == "int4_wo"
+    i8 = resolve("smollm2-135m-cuda-int8wo")     # weight-only INT8: MatMulNBits 8-bit everywhere, no calibration
+    assert (i8.quantize.algo, i8.quantize.options["method"], i8.quantize.options["blockwise"]) == ("int8", "blockwise", ["*"])
+    assert i8.build.onnxruntime.provider == "cuda" and i8.build.onnxruntime.precision == "fp16"
     assert resolve("smollm2-135m-int8").build.onnxruntime.provider == "cpu"
 
 

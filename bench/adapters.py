@@ -41,7 +41,7 @@ class OursAdapter:
                               f"CPUExecutionProvider, {threads} threads")
 
     def prefill(self, ids: np.ndarray):
-        return self.engine.logits(ids)
+        return self.engine.prefill(ids)
 
     def generate(self, ids: np.ndarray, n: int):
         return self.engine.generate(_row(ids), max_new_tokens=n, greedy=True)

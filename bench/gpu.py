@@ -51,7 +51,7 @@ class OrtCudaAdapter:
         self.generate_batch = lambda ids, n: self.engine.generate_batch([list(map(int, r)) for r in ids], n)
 
     def prefill(self, ids):
-        return self.engine.logits(ids)
+        return self.engine.prefill(ids)
 
     def generate(self, ids, n):
         return self.engine.generate([int(x) for x in np.asarray(ids).reshape(-1)], n)
@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph runs")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--no-oga", action="store_true", help="PyTorch eager only (ORT GenAI's model builder takes ~40 s)")
     ap.add_argument("--env-variant", action="append", default=[], metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="also measure fp16 with CUDA graphs under these environment variables (ONNX Runtime's "
                          "attention-kernel switches, e.g. cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0)")
@@ -210,6 +211,7 @@ def main(argv=None) -> int:
                           "cuda_graph": True, "env": env})
     if a.hf_dir and not a.no_peers:
         specs.append({"name": "torch-fp16", "kind": "torch", "path": a.hf_dir, "tokenizer": tok})
+    if a.hf_dir and not a.no_peers and not a.no_oga:
         try:
             specs.append({"name": "oga-cuda-int4", "kind": "oga", "tokenizer": tok,
                           "path": str(build_oga_cuda_int4(Path(a.hf_dir), out / "oga-cuda-int4"))})

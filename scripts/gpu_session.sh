@@ -8,6 +8,7 @@
 #   scripts/gpu_session.sh all     build + serve + bench in one call (the 7B reference on CUDA only), one archive back
 #   scripts/gpu_session.sh ort-build / ort-serve   issue 17 alone (no 7B reference, no .whl needed): tests, build,
 #                                  the CUDA-vs-CPU diagnosis (scripts/gpu_diag.py); then serve and bench
+#   scripts/gpu_session.sh ort-quick   the fp16 engine built to `build` and benched beside PyTorch eager, one call
 # Each step stays under the device tool's 10-minute call limit; results land in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -72,5 +73,16 @@ ort-serve)
   timeout 380 scripts/gpu_ort_run.sh --phase bench >/dev/null 2>&1; tail -40 "$OUT/bench.log"
   pack
   ;;
-*) echo "usage: $0 build|serve|all|ort-build|ort-serve" >&2; exit 2 ;;
+ort-quick)
+  # the fp16 engine alone, built and benched (with CUDA graphs, PyTorch eager fp16 beside it): a short device session
+  prepare 150
+  export PYTHONPATH="$PWD:/tmp/fsite/site-packages" FORGE_HOME=/tmp/fh FORGE_CACHE=/tmp/fh/artifacts FORGE_PROGRESS=0
+  export LD_LIBRARY_PATH="$(python3 -c "from pipeline.env import nvidia_lib_dirs; print(':'.join(nvidia_lib_dirs()))")"
+  timeout 150 python3 -m pipeline.cli build smollm2-135m-cuda-fp16 --until build --report-dir "$OUT/build" >/dev/null 2>&1
+  hf=$(dirname "$(ls /tmp/fh/models/*/config.json | head -1)")
+  timeout 120 python3 -m bench.gpu --engine fp16="$(readlink -f "$OUT/build/smollm2-135m-cuda-fp16/engine")" \
+    --hf-dir "$hf" --no-oga --reps 3 --out "$OUT/bench" 2>&1 | grep -v onnxruntime | tail -20
+  pack
+  ;;
+*) echo "usage: $0 build|serve|all|ort-build|ort-serve|ort-quick" >&2; exit 2 ;;
 esac

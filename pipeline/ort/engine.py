@@ -207,6 +207,10 @@ class OrtEngine:
         self.batch_invariant = not (q.get("algo") == "int8" and bool(
             q.get("dynamic_weights") if "dynamic_weights" in q else q.get("method") in ("dynamic", "mixed")))
         self._tokenizer = None
+        # the row-gather session runs where the logits are, without a CUDA graph (its index input is on the host)
+        self._providers = [(p[0], {k: v for k, v in p[1].items() if k != "enable_cuda_graph"})
+                           if isinstance(p, tuple) else p for p in providers]
+        self._gather = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
         # fixed-shape decode (what a CUDA graph replays); on by itself with cuda_graph, testable on the CPU alone
@@ -252,10 +256,12 @@ class OrtEngine:
     # ---- one graph call -----------------------------------------------------------------------------------------
     def forward(self, ids: np.ndarray, lengths: np.ndarray, cache: KVCache,
                 logits_out: tuple[ort.OrtValue, np.ndarray] | None = None,
-                mask_buf: np.ndarray | None = None) -> np.ndarray:
+                mask_buf: np.ndarray | None = None, last_only: bool = False) -> np.ndarray:
         """Run ``ids`` [B, T] (row b's first ``lengths[b]`` tokens are real, the rest right padding) on top of
         ``cache`` and advance it. Returns logits [B, T, V]: with ``logits_out`` (an OrtValue and the numpy array
-        it aliases) ORT writes into that array and it is returned."""
+        it aliases) ORT writes into that array and it is returned. ``last_only``: only each row's last real position,
+        [B, V] (what generation needs): on a GPU the logits stay there and only those rows are copied to the host
+        (``_gather_rows``)."""
         B, T = ids.shape
         new_len = cache.lengths + lengths
         if cache.layout == "shared":
@@ -283,17 +289,48 @@ class OrtEngine:
                 io.bind_output(pname, self.device)
             cache.mask, cache.width = mask, mask.shape[1]
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
+        on_device = last_only and self.device != "cpu" and logits_out is None
         if logits_out is not None:
             io.bind_ortvalue_output("logits", logits_out[0])
         else:
-            io.bind_output("logits", "cpu")
+            io.bind_output("logits", self.device if on_device else "cpu", self.device_id if on_device else 0)
         self.session.run_with_iobinding(io, self._prefill_opts)
         outs = io.get_outputs()   # in bind order: presents, then logits
         if cache.layout == "concat":
             cache.values = outs[:-1]
         logits = outs[-1]
         cache.lengths[:] = new_len
-        return logits_out[1] if logits_out is not None else logits.numpy()
+        if logits_out is not None:
+            return logits_out[1][np.arange(B), np.maximum(lengths, 1) - 1] if last_only else logits_out[1]
+        if last_only:
+            idx = np.maximum(lengths, 1) - 1
+            return self._gather_rows(logits, idx) if on_device else logits.numpy()[np.arange(B), idx]
+        return logits.numpy()
+
+    def _gather_rows(self, logits: ort.OrtValue, idx: np.ndarray) -> np.ndarray:
+        """``logits[b, idx[b]]`` for every row, [B, V], computed where ``logits`` lives by a one-node GatherND
+        (batch_dims 1) session on this engine's providers; only those rows reach the host. A 4 x 256 prefill's
+        logits are 200 MB (vocab 49,152, fp32), and copying them to the host was most of its time on the H200.
+        Needs the ``onnx`` package to write that graph; without it the whole tensor is copied."""
+        if self._gather is None:
+            try:
+                from onnx import TensorProto, helper
+            except ImportError:   # pragma: no cover - a Triton environment without onnx
+                return logits.numpy()[np.arange(len(idx)), idx]
+            elem = TensorProto.FLOAT16 if self.logits_dtype == np.float16 else TensorProto.FLOAT
+            graph = helper.make_graph(
+                [helper.make_node("GatherND", ["logits", "index"], ["rows"], batch_dims=1)], "forge_gather_rows",
+                [helper.make_tensor_value_info("logits", elem, ["B", "T", "V"]),
+                 helper.make_tensor_value_info("index", TensorProto.INT64, ["B", 1])],
+                [helper.make_tensor_value_info("rows", elem, ["B", "V"])])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+            self._gather = ort.InferenceSession(model.SerializeToString(), providers=self._providers)
+        io = self._gather.io_binding()
+        io.bind_ortvalue_input("logits", logits)
+        io.bind_cpu_input("index", np.ascontiguousarray(idx.reshape(-1, 1), dtype=np.int64))
+        io.bind_output("rows", "cpu")
+        self._gather.run_with_iobinding(io)
+        return io.get_outputs()[0].numpy()
 
     def decode_static(self, nxt: np.ndarray, cache: KVCache) -> np.ndarray:
         """One decode step for every row through fixed-shape bound buffers (see the module doc): returns the
@@ -360,6 +397,15 @@ class OrtEngine:
                 advance(i.shape[0])
         return np.concatenate(out, 0) if len(out) > 1 else out[0]
 
+    def prefill(self, input_ids: Any) -> np.ndarray:
+        """A prompt's first-token logits, [B, V]: a prefill of ``input_ids`` [B, T] (no padding) on an empty cache,
+        only the last position leaving the device. What generation's time to first token pays (``logits`` returns
+        every position, which evaluation needs)."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        ids = ids[None] if ids.ndim == 1 else ids
+        lengths = np.full(ids.shape[0], ids.shape[1], np.int64)
+        return self.forward(ids, lengths, self.cache(ids.shape[0], ids.shape[1]), last_only=True)
+
     def prefill_feed(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         """A plain ``session.run`` feed for a prefill of ``ids`` [B, T] (no padding) on an empty cache, for
         callers that add graph outputs (calibration statistics)."""
@@ -413,8 +459,7 @@ class OrtEngine:
             return nxt
 
         with _bar("ORT generate", N) as advance:
-            logits = self.forward(ids, lens, cache)
-            last = logits[np.arange(B), lens - 1]
+            last = self.forward(ids, lens, cache, last_only=True)
             for step in range(N):
                 nxt = pick(last)
                 for r in range(B):

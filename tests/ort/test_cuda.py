@@ -251,6 +251,7 @@ def test_cuda_engine_matches_cpu(tiny_onnx_dir, tiny_fp16_dir):
     assert "CUDAExecutionProvider" in gpu.session.get_providers()
     a, b = cpu.logits(ids), gpu.logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.95
+    np.testing.assert_allclose(gpu.prefill(ids), b[:, -1], atol=1e-5)   # rows gathered on the GPU
     assert gpu.generate_batch(PROMPTS, 16) == cpu.generate_batch(PROMPTS, 16)
 
 

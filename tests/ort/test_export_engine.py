@@ -162,3 +162,25 @@ def test_parity_failure_raises_stage_failed(tiny_llama_dir, tmp_path, monkeypatc
 def test_missing_tolerance_names_recipe_key(tiny_llama_dir, tmp_path):
     with pytest.raises(ForgeError, match="export.parity"):
         export_onnx(tiny_llama_dir, tmp_path, parity={"fp16": {"atol": 1e-2}})
+
+
+def test_prefill_returns_each_rows_first_token_logits(tiny_onnx_dir):
+    """engine.prefill is what generation's first token costs: the last position of every row, equal to the full
+    logits' last column."""
+    from pipeline.ort.engine import OrtEngine
+    eng = OrtEngine(tiny_onnx_dir, threads=1)
+    ids = np.random.default_rng(3).integers(3, 256, size=(3, 9))
+    np.testing.assert_array_equal(eng.prefill(ids), eng.logits(ids)[:, -1])
+    np.testing.assert_array_equal(eng.prefill(ids[0]), eng.logits(ids[:1])[:, -1])
+
+
+def test_gather_rows_picks_each_rows_position_where_the_logits_live(tiny_onnx_dir):
+    """The one-node GatherND (batch_dims 1) session behind the GPU's last-position logits, run here on the CPU
+    provider: row b gets logits[b, idx[b]], for right-padded rows too."""
+    import onnxruntime as ort
+    from pipeline.ort.engine import OrtEngine
+    eng = OrtEngine(tiny_onnx_dir, threads=1)
+    x = np.random.default_rng(4).standard_normal((3, 7, 256)).astype(np.float32)
+    idx = np.array([6, 0, 3])
+    got = eng._gather_rows(ort.OrtValue.ortvalue_from_numpy(x), idx)
+    np.testing.assert_array_equal(got, x[np.arange(3), idx])

@@ -37,6 +37,12 @@ class FakeEngine:
         self.calls.append(("logits", ids.shape))
         return np.zeros(ids.shape + (8,), np.float32)
 
+    def prefill(self, input_ids):
+        ids = np.atleast_2d(np.asarray(input_ids))
+        self._sleep(ids.size * PREFILL_S_PER_TOKEN)
+        self.calls.append(("prefill", ids.shape))
+        return np.zeros((ids.shape[0], 8), np.float32)
+
     def generate_batch(self, prompts, max_new_tokens, greedy=True):
         self._sleep(sum(len(p) for p in prompts) * PREFILL_S_PER_TOKEN)
         self._sleep(STEP_S * (max_new_tokens - 1))      # the first token comes from the prefill

@@ -205,8 +205,12 @@ def main(argv=None) -> int:
             specs.append({"name": f"{name}+graph", "kind": "ours", "path": d, "tokenizer": d, "cuda_graph": True})
     for v in a.env_variant:
         label, _, assigns = v.partition(":")
-        env = dict(x.split("=", 1) for x in assigns.split(",") if "=" in x)
-        if "fp16" in engines and label and env:
+        pairs = [x.split("=", 1) for x in assigns.split(",")]
+        if not label or not assigns or any(len(p) != 2 or not p[0] for p in pairs):
+            ap.error(f"--env-variant {v!r}: expected LABEL:VAR=VALUE[,VAR=VALUE], "
+                     "e.g. cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0")
+        env = dict(pairs)
+        if "fp16" in engines:
             specs.append({"name": f"fp16+graph+{label}", "kind": "ours", "path": engines["fp16"], "tokenizer": tok,
                           "cuda_graph": True, "env": env})
     if a.hf_dir and not a.no_peers:

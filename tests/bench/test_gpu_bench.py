@@ -3,6 +3,8 @@ variants (ONNX Runtime's attention-kernel switches) reaching the worker process 
 
 import json
 
+import pytest
+
 from bench import gpu
 
 
@@ -37,9 +39,17 @@ def test_env_variant_runs_fp16_with_cuda_graphs_under_the_given_environment(tmp_
     monkeypatch.setattr(gpu.subprocess, "run", fake_run)
     monkeypatch.setattr("pipeline.env.cuda_device", lambda: None)
     gpu.main(["--engine", f"fp16={tmp_path}", "--out", str(tmp_path / "out"), "--no-peers",
-              "--env-variant", "cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0,ORT_X=1", "--env-variant", "bad"])
+              "--env-variant", "cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0,ORT_X=1"])
     names = [s["name"] for s, _ in runs]
     assert names == ["fp16", "fp16+graph", "fp16+graph+cudnn-off"]
     spec, env = runs[-1]
     assert spec["cuda_graph"] is True and env["ORT_ENABLE_CUDNN_FLASH_ATTENTION"] == "0" and env["ORT_X"] == "1"
     assert "ORT_X" not in runs[0][1] and "ORT_X" not in runs[1][1]       # only the variant runs under it
+
+
+@pytest.mark.parametrize("bad", ["bad", "label:", ":X=1", "label:X", "label:=1", "label:X=1,Y"])
+def test_env_variant_refuses_a_malformed_value_exit_2(bad, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu.main(["--engine", f"fp16={tmp_path}", "--out", str(tmp_path / "out"), "--env-variant", bad])
+    assert e.value.code == 2
+    assert "LABEL:VAR=VALUE" in capsys.readouterr().err

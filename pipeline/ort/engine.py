@@ -54,7 +54,9 @@ __all__ = ["OrtEngine", "KVCache", "session_options", "sample_next", "LAYOUTS", 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
 # ORT fuses a residual Add into the next SimplifiedLayerNormalization (SkipSimplifiedLayerNormalization) on CUDA;
-# that kernel sums x^2 in fp16 and overflows on an attention-sink token (see pipeline/ort/fp16.py fuse_rms_norms)
+# that kernel sums x^2 in fp16 and overflows on an attention-sink token (see pipeline/ort/fp16.py fuse_rms_norms).
+# The transformer's name: onnxruntime/core/optimizer/skip_layer_norm_fusion.h, GraphTransformer("SkipLayerNormFusion"),
+# microsoft/onnxruntime@6523554b
 CUDA_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 CAPACITY_STEP = 64  # KV buffers grow in steps of this many positions (fewer re-allocations across requests)
 

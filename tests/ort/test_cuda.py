@@ -363,3 +363,25 @@ def test_duplicate_casts_of_ort_1_31_converter_are_dropped():
     e = np.exp(x.astype(np.float32))
     np.testing.assert_allclose(a, e / e.sum(-1, keepdims=True), rtol=1e-6)
     np.testing.assert_allclose(b, np.sqrt(x.astype(np.float32)), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_disabled_cuda_optimizer_is_ort_s_skip_layer_norm_fusion(tiny_fp16_dir, tmp_path):
+    """The name the CUDA sessions pass in disabled_optimizers is the transformer that builds
+    SkipSimplifiedLayerNormalization on CUDA: with it disabled, the CUDA-optimised graph keeps every residual Add
+    apart from its norm. (The CPU provider does not run that fusion, so this can only be checked on a GPU.)"""
+    import onnx
+    import onnxruntime as ort
+    from pipeline.ort.engine import CUDA_DISABLED_OPTIMIZERS
+    counts = {}
+    for name, disabled in (("on", []), ("off", list(CUDA_DISABLED_OPTIMIZERS))):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(tmp_path / f"{name}.onnx")
+        ort.InferenceSession(str(tiny_fp16_dir / "model.onnx"), so, providers=["CUDAExecutionProvider"],
+                             disabled_optimizers=disabled)
+        ops = [n.op_type for n in onnx.load(str(tmp_path / f"{name}.onnx"), load_external_data=False).graph.node]
+        counts[name] = ops.count("SkipSimplifiedLayerNormalization")
+    assert counts["off"] == 0, counts
+    assert counts["on"] > 0, counts       # else the name no longer matters: look up ORT's fusion again

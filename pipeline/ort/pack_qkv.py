@@ -2,15 +2,16 @@
 
 Each attention of the export reads ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)``: three MatMuls of one input. Their
 weights are concatenated along the output axis into one MatMul whose output GroupQueryAttention takes as packed QKV,
-with its key and value inputs left empty (contract: onnxruntime/core/graph/contrib_ops/bert_defs.cc, the
-GroupQueryAttention schema: input 0 "Query with shape (batch_size, sequence_length, hidden_size), or packed QKV with
+with its key and value inputs left empty (contract: onnxruntime/core/graph/contrib_ops/bert_defs.cc,
+microsoft/onnxruntime@e5481648, the GroupQueryAttention schema: input 0 "Query with shape (batch_size, sequence_length, hidden_size), or packed QKV with
 shape (batch_size, sequence_length, d) where d is (num_heads * head_size + 2 * kv_num_heads * head_size)", inputs 1
 and 2 ``OpSchema::Optional``; q, k, v in that order, as the concatenation lays them out). The numbers do not change (the same dot products), but a decode
 step launches two fewer kernels per layer, and decode of a small model on a GPU is bound by kernel launches.
 
 Plain ``MatMul`` (weight [K, N]: concatenated on axis 1) and weight-only ``MatMulNBits`` (B [N, blocks, blob],
 scales and zero points by row of N: concatenated on axis 0, ``N`` summed; contract
-onnxruntime/core/graph/contrib_ops/contrib_defs.cc MatMulNBits) are packed; anything else (mixed ops, other
+onnxruntime/core/graph/contrib_ops/contrib_defs.cc MatMulNBits, microsoft/onnxruntime@6fa5002d: B
+``[N][n_blocks_per_col][blob_size]``, scales ``[N * n_blocks_per_col]``) are packed; anything else (mixed ops, other
 attributes, ``g_idx``/bias inputs, an output read by something other than the attention) is left as it is.
 """
 
@@ -71,6 +72,10 @@ def pack_qkv(model) -> int:
             for j, key in enumerate(("B", "scales", "zero_points"), start=1):
                 if j < len(projs[0].input) and projs[0].input[j]:
                     tensors[key] = np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in projs], axis=0)
+            blocks = -(-int(ats[0]["K"]) // int(ats[0]["block_size"]))
+            zp = tensors.get("zero_points")
+            if zp is not None and zp.dtype == np.uint8 and (blocks * int(ats[0]["bits"])) % 8:
+                continue   # packed integer zero points with a padded last byte per row: rows would not line up
             attrs = {**ats[0], "N": int(sum(a["N"] for a in ats))}
         else:
             continue

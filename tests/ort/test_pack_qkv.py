@@ -53,6 +53,16 @@ def test_packs_matmulnbits_int4_without_changing_logits(tiny_onnx_dir, tmp_path)
     _same_engine(q, tmp_path / "packed", atol=1e-4)
 
 
+def test_packs_rtn_int4_with_integer_zero_points_without_changing_logits(tiny_onnx_dir, tmp_path):
+    """Round-to-nearest int4: uint8 zero points, two per byte, by row of N (2 blocks per row here: no padding)."""
+    from pipeline.ort.quantize import quantize_onnx
+    q = tmp_path / "rtn"
+    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
+    n, m = _packed_copy(q, tmp_path / "packed")
+    assert n == 2
+    _same_engine(q, tmp_path / "packed", atol=1e-4)
+
+
 def test_leaves_an_attention_whose_projection_is_read_elsewhere(tiny_onnx_dir, tmp_path):
     """A k projection also read by another node cannot be folded away: that attention stays unpacked."""
     import onnx

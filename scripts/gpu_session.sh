@@ -76,11 +76,11 @@ ort-serve)
 ort-quick)
   # the fp16 engine alone, built and benched (with CUDA graphs, PyTorch eager fp16 beside it): a short device session
   prepare 150
-  export PYTHONPATH="$PWD:/tmp/fsite/site-packages" FORGE_HOME=/tmp/fh FORGE_CACHE=/tmp/fh/artifacts FORGE_PROGRESS=0
-  export LD_LIBRARY_PATH="$(python3 -c "from pipeline.env import nvidia_lib_dirs; print(':'.join(nvidia_lib_dirs()))")"
-  timeout 150 python3 -m pipeline.cli build smollm2-135m-cuda-fp16 --until build --report-dir "$OUT/build" >/dev/null 2>&1
+  timeout 150 scripts/gpu_ort_run.sh --exec python3 -m pipeline.cli build smollm2-135m-cuda-fp16 --until build \
+    --report-dir "$OUT/build" >/dev/null 2>&1
   hf=$(dirname "$(ls /tmp/fh/models/*/config.json | head -1)")
-  timeout 120 python3 -m bench.gpu --engine fp16="$(readlink -f "$OUT/build/smollm2-135m-cuda-fp16/engine")" \
+  timeout 120 scripts/gpu_ort_run.sh --exec python3 -m bench.gpu \
+    --engine fp16="$(readlink -f "$OUT/build/smollm2-135m-cuda-fp16/engine")" \
     --hf-dir "$hf" --no-oga --reps 3 --out "$OUT/bench" 2>&1 | grep -v onnxruntime | tail -20
   pack
   ;;

@@ -49,7 +49,8 @@ try:  # progress bars inside forge; a no-op when this file runs on its own (Trit
 except Exception:  # pragma: no cover - exercised only outside the package
     _progress_bar = None
 
-__all__ = ["OrtEngine", "KVCache", "session_options", "sample_next", "LAYOUTS", "CUDA_DISABLED_OPTIMIZERS"]
+__all__ = ["OrtEngine", "KVCache", "session_options", "inference_session", "sample_next", "LAYOUTS",
+           "CUDA_DISABLED_OPTIMIZERS"]
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
@@ -58,6 +59,15 @@ LAYOUTS = ("shared", "concat")
 # The transformer's name: onnxruntime/core/optimizer/skip_layer_norm_fusion.h, GraphTransformer("SkipLayerNormFusion"),
 # microsoft/onnxruntime@6523554b
 CUDA_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+
+
+def inference_session(model: str | bytes, options: ort.SessionOptions | None,
+                      providers: Sequence) -> ort.InferenceSession:
+    """``ort.InferenceSession`` with forge's provider-specific settings: on CUDA, CUDA_DISABLED_OPTIMIZERS off."""
+    on_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
+    extra = {"disabled_optimizers": list(CUDA_DISABLED_OPTIMIZERS)} if on_cuda else {}
+    return ort.InferenceSession(model, options, providers=list(providers), **extra)
+
 CAPACITY_STEP = 64  # KV buffers grow in steps of this many positions (fewer re-allocations across requests)
 
 
@@ -177,13 +187,16 @@ class OrtEngine:
             # fp32 engine claims (a fp32 graph's build check moved by 0.054 on the H200); a fp16 graph is unaffected.
             # Option names: onnxruntime/core/providers/cuda/cuda_execution_provider_info.cc (kUseTF32,
             # kEnableCudaGraph), microsoft/onnxruntime@90ed1589
-            opts = {"device_id": str(device_id), "use_tf32": "0",
-                    **({"enable_cuda_graph": "1"} if self.cuda_graph else {})}
-            providers = [("CUDAExecutionProvider", opts) if p == "CUDAExecutionProvider" else p for p in providers]
-        on_cuda = any(p[0] == "CUDAExecutionProvider" for p in providers if isinstance(p, tuple))
-        self.session = ort.InferenceSession(str(self.model_path), self.options, providers=providers,
-                                            **({"disabled_optimizers": list(CUDA_DISABLED_OPTIMIZERS)}
-                                               if on_cuda else {}))
+            opts = {"device_id": str(device_id), "use_tf32": "0"}
+            # the row-gather session (_gather_rows) runs where the logits are, without a CUDA graph (its index
+            # input is on the host); the model's session with one when asked
+            self._providers = [("CUDAExecutionProvider", opts) if p == "CUDAExecutionProvider" else p
+                               for p in providers]
+            providers = [("CUDAExecutionProvider", {**opts, **({"enable_cuda_graph": "1"} if self.cuda_graph else {})})
+                         if p == "CUDAExecutionProvider" else p for p in providers]
+        else:
+            self._providers = providers
+        self.session = inference_session(str(self.model_path), self.options, providers)
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))
@@ -209,9 +222,6 @@ class OrtEngine:
         self.batch_invariant = not (q.get("algo") == "int8" and bool(
             q.get("dynamic_weights") if "dynamic_weights" in q else q.get("method") in ("dynamic", "mixed")))
         self._tokenizer = None
-        # the row-gather session runs where the logits are, without a CUDA graph (its index input is on the host)
-        self._providers = [(p[0], {k: v for k, v in p[1].items() if k != "enable_cuda_graph"})
-                           if isinstance(p, tuple) else p for p in providers]
         self._gather = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
@@ -261,7 +271,8 @@ class OrtEngine:
                 mask_buf: np.ndarray | None = None, last_only: bool = False) -> np.ndarray:
         """Run ``ids`` [B, T] (row b's first ``lengths[b]`` tokens are real, the rest right padding) on top of
         ``cache`` and advance it. Returns logits [B, T, V]: with ``logits_out`` (an OrtValue and the numpy array
-        it aliases) ORT writes into that array and it is returned. ``last_only``: only each row's last real position,
+        it aliases) ORT writes into that array and it is returned. Without ``logits_out``, ``last_only``: only each
+        row's last real position,
         [B, V] (what generation needs): on a GPU the logits stay there and only those rows are copied to the host
         (``_gather_rows``)."""
         B, T = ids.shape
@@ -303,7 +314,7 @@ class OrtEngine:
         logits = outs[-1]
         cache.lengths[:] = new_len
         if logits_out is not None:
-            return logits_out[1][np.arange(B), np.maximum(lengths, 1) - 1] if last_only else logits_out[1]
+            return logits_out[1]
         if last_only:
             idx = np.maximum(lengths, 1) - 1
             return self._gather_rows(logits, idx) if on_device else logits.numpy()[np.arange(B), idx]
@@ -326,7 +337,7 @@ class OrtEngine:
                  helper.make_tensor_value_info("index", TensorProto.INT64, ["B", 1])],
                 [helper.make_tensor_value_info("rows", elem, ["B", "V"])])
             model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
-            self._gather = ort.InferenceSession(model.SerializeToString(), providers=self._providers)
+            self._gather = inference_session(model.SerializeToString(), None, self._providers)
         io = self._gather.io_binding()
         io.bind_ortvalue_input("logits", logits)
         io.bind_cpu_input("index", np.ascontiguousarray(idx.reshape(-1, 1), dtype=np.int64))

@@ -7,8 +7,8 @@ are first fused into ``SimplifiedLayerNormalization`` (fp32 statistics inside th
 A norm the fusion does not match keeps its statistic ops in fp32 (``FP32_OPS``, casts inserted), and its
 ``Add eps`` between them is an ``Add`` like the residual adds, so it is kept fp32 by node name
 (``norm_statistic_adds``): a fp16 Add turns that 1.08e6 into inf, Sqrt/Reciprocal into 0 and the normed row into
-all zeros. On the CPU provider ORT runs fp16 nodes it has no fp16 kernel for in fp32, which hid this; on CUDA it cost +40 %
-perplexity (H200, onnxruntime-gpu 1.31.1).
+all zeros. On the CPU provider ORT runs fp16 nodes it has no fp16 kernel for in fp32, which hid this; on CUDA it
+cost +40 % perplexity (H200, onnxruntime-gpu 1.31.1).
 ``Softmax`` (none in the GroupQueryAttention graph, which keeps its softmax inside the op in fp32 on CUDA, but the
 standard-attention export has one per layer) stays fp32 too. The ``logits`` output stays fp32 (evaluate compares
 it against FP32 torch); the KV cache inputs/outputs become fp16 so the runtime binds them in fp16 and the

@@ -17,7 +17,7 @@ import numpy as np
 
 from pipeline.errors import ForgeError, StageFailed
 
-from .engine import CUDA_DISABLED_OPTIMIZERS, OrtEngine, session_options
+from .engine import OrtEngine, inference_session, session_options
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 
 __all__ = ["optimize", "LEVELS", "PROVIDERS"]
@@ -65,8 +65,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", MODEL_FILE + ".data")
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     providers = PROVIDERS[provider]
-    ort.InferenceSession(str(src), so, providers=providers,
-                         **({"disabled_optimizers": list(CUDA_DISABLED_OPTIMIZERS)} if provider == "cuda" else {}))
+    inference_session(str(src), so, providers)   # saves the optimised graph (so.optimized_model_filepath)
     opt_s = time.time() - t0
     copy_side_files(in_dir, out_dir)
     meta = json.loads((in_dir / META_FILE).read_text()) if (in_dir / META_FILE).exists() else {}

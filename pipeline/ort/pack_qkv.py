@@ -3,10 +3,11 @@
 Each attention of the export reads ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)``: three MatMuls of one input. Their
 weights are concatenated along the output axis into one MatMul whose output GroupQueryAttention takes as packed QKV,
 with its key and value inputs left empty (contract: onnxruntime/core/graph/contrib_ops/bert_defs.cc,
-microsoft/onnxruntime@e5481648, the GroupQueryAttention schema: input 0 "Query with shape (batch_size, sequence_length, hidden_size), or packed QKV with
-shape (batch_size, sequence_length, d) where d is (num_heads * head_size + 2 * kv_num_heads * head_size)", inputs 1
-and 2 ``OpSchema::Optional``; q, k, v in that order, as the concatenation lays them out). The numbers do not change (the same dot products), but a decode
-step launches two fewer kernels per layer, and decode of a small model on a GPU is bound by kernel launches.
+microsoft/onnxruntime@e5481648, the GroupQueryAttention schema: input 0 "Query with shape (batch_size,
+sequence_length, hidden_size), or packed QKV with shape (batch_size, sequence_length, d) where d is (num_heads *
+head_size + 2 * kv_num_heads * head_size)", inputs 1 and 2 ``OpSchema::Optional``; q, k, v in that order, as the
+concatenation lays them out). The numbers do not change (the same dot products), but a decode step launches two
+fewer kernels per layer, and decode of a small model on a GPU is bound by kernel launches.
 
 Plain ``MatMul`` (weight [K, N]: concatenated on axis 1) and weight-only ``MatMulNBits`` (B [N, blocks, blob],
 scales and zero points by row of N: concatenated on axis 0, ``N`` summed; contract

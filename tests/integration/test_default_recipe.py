@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from xml.etree import ElementTree as ET
 
@@ -53,7 +54,10 @@ def test_rebuild_is_all_hits_and_plan_agrees(default_build):
 
 def test_threshold_change_reruns_only_validate_and_package(default_build, default_overrides):
     r, _ = default_build
-    r2 = resolve(r.name, default_overrides + ["validate.thresholds.ppl_delta_pct_max=4.5"])
+    # a threshold no earlier run used: the shared cache would otherwise already hold this validate/package (a
+    # second `make test` on one FORGE_HOME found them as hits)
+    gate = 4.5 - (time.time_ns() % 10**6) / 10**8
+    r2 = resolve(r.name, default_overrides + [f"validate.thresholds.ppl_delta_pct_max={gate:.8f}"])
     plans = {p.name: p for p in Runner(r2).plan()}
     assert [n for n, p in plans.items() if p.status != "hit"] == ["validate", "package"]
     assert "config.thresholds.ppl_delta_pct_max" in plans["validate"].reason

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench.measure import measure_adapter, ratio
 from pipeline.env import process_peak_rss_bytes
+from pipeline.history.bench import flat
 
 HERE = Path(__file__).parent
 METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/s (4x256)"),
@@ -41,20 +42,6 @@ def machine_facts(threads: int) -> dict:
             "os": platform.platform(), "python": platform.python_version(), "versions": vers,
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
-
-
-def flat(res: dict) -> dict:
-    """Headline numbers of one measured engine/peer (None where not measured)."""
-    p, d = res.get("prefill", {}), res.get("decode", {})
-    return {
-        "prefill_b1": p.get("1", {}).get("tokens_per_s"),
-        "prefill_b4": p.get("4", {}).get("tokens_per_s"),
-        "decode_b1": d.get("1", {}).get("tokens_per_s"),
-        "decode_b8": d.get("8", {}).get("tokens_per_s"),
-        "ttft_s": (res.get("ttft") or {}).get("median_s"),
-        "size_bytes": res.get("size_bytes"),
-        "peak_rss_bytes": res.get("peak_rss_bytes"),
-    }
 
 
 def ratios(a: dict, b: dict) -> dict:

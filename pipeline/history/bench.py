@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -26,14 +25,19 @@ from .store import History
 _KEY = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _bench_flat():
-    """bench/run.py's ``flat`` (the one home of the headline figures); bench runs from the forge checkout."""
-    try:
-        from bench.run import flat
-    except ImportError:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-        from bench.run import flat
-    return flat
+def flat(res: dict) -> dict:
+    """Headline numbers of one measured engine/peer (None where not measured): what the history stores of a
+    bench result and what `python -m bench.run` tabulates (bench imports it from here)."""
+    p, d = res.get("prefill", {}), res.get("decode", {})
+    return {
+        "prefill_b1": p.get("1", {}).get("tokens_per_s"),
+        "prefill_b4": p.get("4", {}).get("tokens_per_s"),
+        "decode_b1": d.get("1", {}).get("tokens_per_s"),
+        "decode_b8": d.get("8", {}).get("tokens_per_s"),
+        "ttft_s": (res.get("ttft") or {}).get("median_s"),
+        "size_bytes": res.get("size_bytes"),
+        "peak_rss_bytes": res.get("peak_rss_bytes"),
+    }
 
 
 def engine_key(path: str) -> str | None:
@@ -46,7 +50,6 @@ def add_bench(h: History, results_path: Path, console: Console, err: Console) ->
     except (OSError, json.JSONDecodeError) as e:
         err.print(f"[red]error:[/] {results_path}: cannot read bench results ({e}); run `python -m bench.run` first")
         return 2
-    flat = _bench_flat()
     facts = {"machine": results.get("machine"), "settings": results.get("settings")}
     worst, attached = 0, 0
     for label, res in (results.get("engines") or {}).items():

@@ -17,21 +17,17 @@ from .store import Run, flatten_metrics
 
 
 def cpu_isa() -> str:
-    """``env.cpu_isa_class()`` where this forge has it; else the architecture and its widest int8 dot-product."""
-    isa_class = getattr(env, "cpu_isa_class", None)
-    if isa_class is not None:
-        return str(isa_class())
-    flags = env.cpu_flags()
-    best = next((f for f in ("amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2", "asimddp", "asimd")
-                 if f in flags), None)
-    return f"{platform.machine()}{'-' + best if best else ''}"
+    """The CPU's ISA class (``env.cpu_isa_class``): what INT8 numbers are comparable across."""
+    return env.cpu_isa_class()
 
 
 def gpus() -> tuple[dict, list[dict]]:
     """(driver facts, [{name, sm, memory_gib}]) via NVML; empty where there is no NVIDIA driver."""
     try:
-        from ..doctor import _nvml_default, collect_gpus
-        drv, found = collect_gpus(_nvml_default())
+        import pynvml
+
+        from ..doctor import collect_gpus
+        drv, found = collect_gpus(pynvml)
     except Exception:   # no pynvml, no driver, no permission: a CPU machine
         return {}, []
     return drv, [{"name": g.get("name"), "sm": g.get("sm"),

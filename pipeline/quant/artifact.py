@@ -46,6 +46,14 @@ def save_artifact(model: nn.Module, out_dir: Path, config: dict) -> None:
     (out_dir / CONFIG_FILE).write_text(json.dumps(_jsonable(config), indent=1))
 
 
+def load_hf_model(hf_dir: Path | str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The FP causal LM from a local HF dir, in eval mode on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    return model.to(device).eval()
+
+
 def load_config(artifact_dir: Path) -> dict:
     return json.loads((Path(artifact_dir) / CONFIG_FILE).read_text())
 
@@ -56,8 +64,6 @@ def restore_model(hf_dir: Path, artifact_dir: Path, device: str = "cpu") -> nn.M
     import warnings
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
     import modelopt.torch.opt as mto
-
-    from .calibrate import load_hf_model
 
     f = Path(artifact_dir) / MODEL_FILE
     if not f.exists():

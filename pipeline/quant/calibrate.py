@@ -19,17 +19,11 @@ from torch import nn
 from pipeline.env import process_peak_rss_bytes
 from pipeline.progress import progress_bar
 
+from .artifact import load_hf_model  # noqa: F401 (the loader lives with the artifact it restores)
+
 
 def _quiet_modelopt():
     warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
-
-
-def load_hf_model(hf_dir: Path | str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The FP causal LM from a local HF dir, in eval mode on ``device``."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
-    return model.to(device).eval()
 
 
 def batches(windows: torch.Tensor, batch: int) -> list[torch.Tensor]:

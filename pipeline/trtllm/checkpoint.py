@@ -21,10 +21,10 @@ import torch
 
 from ..env import PeakRss
 from ..errors import ForgeError
-from ..modelinfo import ModelInfo
+from ..modelinfo import ModelInfo, sliding_window_pattern
 from ..progress import progress_bar
 from .build_config import KV_CACHE_ALGO, QUANT_ALGO
-from .families import require_family, sliding_window_pattern
+from .families import require_family
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -95,24 +95,6 @@ def require_family(architecture: str) -> Family:
     return fam
 
 
-def sliding_window_pattern(hf_cfg: dict) -> int | None:
-    """Gemma 3's period of global layers (every N-th layer is global). ``layer_types`` wins when present: transformers
-    5 keeps a stale ``_sliding_window_pattern`` (default 6) in config.json even when layer_types says otherwise."""
-    types = hf_cfg.get("layer_types")
-    if types:
-        full = [i for i, t in enumerate(types) if t == "full_attention"]
-        if not full:
-            return len(types) + 1   # no global layer within the model
-        pat = full[0] + 1
-        expect = ["full_attention" if (i + 1) % pat == 0 else "sliding_attention" for i in range(len(types))]
-        if list(types) != expect:
-            raise ForgeError(f"model config: layer_types {types} is not a periodic sliding/global pattern; "
-                             f"TensorRT-LLM's Gemma3 takes one _sliding_window_pattern")
-        return pat
-    pat = hf_cfg.get("sliding_window_pattern") or hf_cfg.get("_sliding_window_pattern")
-    return int(pat) if pat else None
-
-
 def sliding_layers(cfg: dict) -> list[bool]:
     """Per layer: does it use the sliding window? From a TensorRT-LLM checkpoint config (forge's fix-ups)."""
     L = int(cfg["num_hidden_layers"])

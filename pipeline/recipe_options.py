@@ -65,7 +65,7 @@ class OrtInt8Options(OrtOptions):
     - blockwise everywhere                ppl -0.11 %, top-1 96.0 %, 0.88x
 
     On an emulated AVX2 CPU (qemu-x86_64 -cpu Haswell, x86_64-avx2) the default measured ppl +3.21 %, top-1 88.1 % on
-    the eval's first 2 windows, against +3.78 %, 87.1 % on AMX for the same windows (README).
+    the eval's first 2 windows, against +3.78 %, 87.1 % on AMX for the same windows (docs/measurements.md).
     """
     method: Literal["mixed", "dynamic", "blockwise"] = Field("mixed", description=(
         "dynamic: per-channel int8 weights, per-tensor int8 activations at run time (MatMulInteger); blockwise: "

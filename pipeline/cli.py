@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .console import make_console
 from .errors import ForgeError, RecipeError, UsageError
 from .status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, Status, exit_code
 
@@ -26,8 +26,8 @@ app.add_typer(recipes_app, name="recipes")
 app.add_typer(cache_app, name="cache")
 app.add_typer(data_app, name="data")
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 SetOpt = typer.Option(None, "--set", help="dotted override, e.g. --set quantize.calibration.samples=64 (repeatable)")
 HistoryOpt = typer.Option(None, "--history", help="run-history database (default: $FORGE_HISTORY, else "
@@ -98,13 +98,11 @@ def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
 # ------------------------------------------------------------------ plan / build
 def _plan_table(runner, plans, where: bool = False) -> Table:
     t = Table(title=f"plan: {runner.recipe.name} [{runner.recipe.build.target}]")
-    t.add_column("stage")
-    t.add_column("status")
-    t.add_column("key")
-    t.add_column("hardware")
+    for name in ("stage", "status", "key", "hardware"):
+        t.add_column(name, no_wrap=True)   # names are never cut (pipeline/console.py)
     t.add_column("why")
     if where:
-        t.add_column("runs on")
+        t.add_column("runs on", no_wrap=True)
     colors = {Status.HIT: "green", Status.MISS: "cyan", Status.CANNOT_RUN_HERE: "yellow", Status.BLOCKED: "yellow", Status.CORRUPT: "red"}
     hardware = _stage_hardware(runner)
     for p in plans:
@@ -394,12 +392,11 @@ def _history(h, args, since, limit, html, summary_md, as_json) -> None:
     elif not html and not summary_md:
         if not any(by_recipe.values()):
             console.print(f"no nights recorded in {h.path}" + (f" since {since_ts}" if since_ts else ""))
-        out = console if console.is_terminal else Console(width=max(console.width, 160))   # logs do not wrap
         for r, runs in by_recipe.items():
             if runs:
-                out.print(render.history_table(r, runs))
+                console.print(render.history_table(r, runs))
                 for line in render.history_notes(runs):
-                    out.print(escape(line), highlight=False)
+                    console.print(escape(line), highlight=False)
 
 
 def _night(h, ref: str):

@@ -486,9 +486,11 @@ def _yaml_error(e: yaml.YAMLError, where: str, text: str = "") -> str:
     if isinstance(e, yaml.reader.ReaderError):      # a character YAML forbids; it knows only the offset
         line = text.count("\n", 0, e.position) + 1
         key = _key_at(text, line)
-        return (f"{where}: character U+{e.character:04X} at line {line}" + (f" (key '{key}')" if key else "")
+        return (f"{where}: character U+{e.character:04X} at line {line}" + (f" (key '{_short(key)}')" if key else "")
                 + ": YAML does not allow it in a document; remove it")
-    return f"{where}: YAML syntax error{at}: {getattr(e, 'problem', None) or e}"
+    key = _key_at(text, mark.line + 1) if mark and text else ""
+    return f"{where}: YAML syntax error{at}{f' (key {_short(key)!r})' if key else ''}: " \
+           f"{getattr(e, 'problem', None) or e}"
 
 
 _KEY_LINE = re.compile(r"^(\s*)(?:-\s+)?([^\s#:'\"][^:#]*?|'[^']*'|\"[^\"]*\"):(?:\s|$)")
@@ -571,8 +573,10 @@ def read_recipe_text(path: Path) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RecipeError([f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                           "save the recipe as UTF-8"]) from None
+        line = raw.count(b"\n", 0, e.start) + 1
+        key = _key_at(raw.decode("utf-8", "replace"), line)
+        raise RecipeError([f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}, line {line}"
+                           + (f", key '{_short(key)}'" if key else "") + "); save the recipe as UTF-8"]) from None
     problems = invisible_problems(text, str(path))
     if problems:
         raise RecipeError(problems)
@@ -838,9 +842,17 @@ def quantize_problems(q: dict, target: str) -> list[str]:
                  f"export to ONNX); use method: ptq for '{target}'")
     qz = quantizer(target, algo) if isinstance(algo, str) else None
     for key in ("alpha", "block_size"):
-        if q.get(key) is not None and (target, key) in MOVED_SECTION_KEYS:
-            p.append(f"quantize.{key}: build.target '{target}' reads this as {MOVED_SECTION_KEYS[target, key]} "
-                     f"(one spelling per option); did you mean '{MOVED_SECTION_KEYS[target, key]}'?")
+        moved = MOVED_SECTION_KEYS.get((target, key))
+        if q.get(key) is not None and moved:
+            opt = moved.rsplit(".", 1)[1]
+            if qz is not None and opt in qz.options.model_fields:
+                p.append(f"quantize.{key}: build.target '{target}' reads this as {moved} (one spelling per option); "
+                         f"did you mean '{moved}'?")
+            else:
+                users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if t == target
+                               and opt in z.options.model_fields)
+                p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
+                         f"{', '.join(users)}, as {moved}); remove it")
         elif q.get(key) is not None and qz is not None and key not in qz.section_keys:
             users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if key in z.section_keys and t == target)
             p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "

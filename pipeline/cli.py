@@ -335,8 +335,12 @@ def history_cmd(args: Optional[List[str]] = typer.Argument(
     """Nightly history: a table per recipe over time, what changed between nights, a trend page, CI summaries."""
     from .env import history_db as default_db
     from .history import History, HistoryUnavailable
+    path = history_db or default_db()
+    if not path.exists() and not (args or html or summary_md or as_json):
+        console.print(f"no nights recorded in {path}")     # nothing built yet: not an error, and nothing created
+        return
     try:
-        h = History(history_db or default_db())
+        h = History(path, read_only=(args or [])[:1] != ["add-bench"])   # reading: a read-only mount is fine
     except HistoryUnavailable as e:
         raise ForgeError(f"run history: {e}") from None
     try:

@@ -91,7 +91,7 @@ def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
     """The fully resolved recipe (extends + overrides + defaults) and its hash."""
     import yaml
     r = _resolve(name, set_)
-    console.print(yaml.safe_dump(r.to_dict(), sort_keys=False), end="")
+    console.print(yaml.safe_dump(r.display_dict(), sort_keys=False), end="", markup=False, highlight=False)
     console.print(f"# hash: {r.hash}")
 
 
@@ -641,7 +641,12 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
                 time.sleep(0.5)
     except KeyboardInterrupt:   # also while starting: TritonServer stops what it started
         err.print("stopping tritonserver ...")
+        interrupted = True
+    else:
+        interrupted = False
     err.print("tritonserver stopped")
+    if interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)     # Ctrl-C / kill: 130 like every command (README)
 
 
 def _package_of(recipe: str, set_) -> Path:

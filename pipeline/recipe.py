@@ -356,6 +356,17 @@ class Recipe(Section):
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
 
+    def display_dict(self) -> dict:
+        """``to_dict`` as a recipe writes it, for people: each regression rule in its short, signed form
+        ('-0.01', '+10%'), which says which way is worse (``{abs: 0.01}`` does not). Not hashed."""
+        d = self.to_dict()
+        rules = self.validate_.regression
+        for name, field in type(rules).model_fields.items():
+            rule = getattr(rules, name)
+            if rule is not None:
+                d["validate"]["regression"][field.alias or name] = rule.text(field.json_schema_extra["worse"])
+        return d
+
     @property
     def hash(self) -> str:
         return sha256_json(self.to_dict())
@@ -794,10 +805,12 @@ def foreign_build_problems(path: Path, overrides: list[str], target: str) -> lis
     """A build.<target> section another target reads, set by this recipe file or a --set, is refused (it would be
     accepted and ignored). Sections inherited through ``extends`` from a recipe of another target are not: that
     recipe set them for its own target (e.g. smollm2-135m-trt-int8 extends the onnxruntime recipe)."""
-    own = _read_yaml(path)
-    sections = set(own["build"]) if isinstance(own.get("build"), dict) else set()
-    sections |= {o.split("=", 1)[0].strip().split(".")[1] for o in overrides
-                 if o.split("=", 1)[0].strip().startswith("build.") and o.count(".") >= 2}
+    own = apply_overrides(_read_yaml(path), [o for o in overrides if o.split("=", 1)[0].strip().startswith("build.")])
+    build = own.get("build") if isinstance(own.get("build"), dict) else {}
+    defaults = BuildSection().model_dump(mode="json", by_alias=True)
+    # a value equal to the default sets nothing: `forge recipes resolve` writes every section, and reads back
+    sections = {s for s, v in build.items() if s in defaults and isinstance(v, dict)
+                and any(defaults[s].get(k, object()) != x for k, x in v.items())}
     where = f"{path} (or --set)" if overrides else str(path)
     return [f"{where}: build.{s}: read only by build.target '{s}'; this recipe builds build.target '{target}', "
             f"which ignores it: remove build.{s} (or set build.target: {s})"

@@ -17,14 +17,8 @@ from .store import Run, flatten_metrics
 
 
 def cpu_isa() -> str:
-    """``env.cpu_isa_class()`` where this forge has it; else the architecture and its widest int8 dot-product."""
-    isa_class = getattr(env, "cpu_isa_class", None)
-    if isa_class is not None:
-        return str(isa_class())
-    flags = env.cpu_flags()
-    best = next((f for f in ("amx_int8", "avx512_vnni", "avx_vnni", "avx512f", "avx2", "asimddp", "asimd")
-                 if f in flags), None)
-    return f"{platform.machine()}{'-' + best if best else ''}"
+    """The CPU's ISA class, as every cache key and report names it (``env.cpu_isa_class``, its one home)."""
+    return env.cpu_isa_class()
 
 
 def gpus() -> tuple[dict, list[dict]]:

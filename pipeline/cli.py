@@ -208,6 +208,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     for name in recipes if executor == "local" else []:
         t0 = time.perf_counter()
         shown = name if len(name) <= 80 else name[:77] + "..."
+        r = None
         try:
             r = _resolve(name, set_)
             runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
@@ -215,10 +216,13 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {escape(runner.cache.location)})")
             results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
         except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir)
+            _recipe_not_started(e, name, shown, statuses, report_dir, r, time.perf_counter() - t0)
             if not keep_going:
                 break
             continue
+        except Exception as e:      # a bug: main() says so; the resolved recipe still leaves its reports
+            _not_started_reports(r, e, time.perf_counter() - t0, report_dir)
+            raise
         _finish_recipe(r, results, time.perf_counter() - t0, report_dir, statuses, nightly)
         if statuses[r.name] == Status.FAILED and not keep_going:
             break
@@ -231,9 +235,11 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     raise typer.Exit(exit_code(statuses.values()))
 
 
-def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path) -> None:
+def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path, r=None,
+                        wall_s: float = 0.0) -> None:
     """A recipe that could not start: bad recipe or arguments (status invalid, exit 2, an invalid report) or a
-    problem outside any stage (e.g. the cache location is unusable: failed)."""
+    problem outside any stage (the shared store cannot be opened, a full disk: failed, with a failed report when
+    the recipe resolved, so a nightly CI sees a result)."""
     from .report import invalid_report, report_dir_name, write_reports
     if isinstance(e, UsageError):
         err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
@@ -241,7 +247,14 @@ def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, re
         _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
     else:
         err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-        statuses[shown] = Status.FAILED
+        statuses[r.name if r is not None else shown] = Status.FAILED
+        _not_started_reports(r, e, wall_s, report_dir)
+
+
+def _not_started_reports(r, e: BaseException, wall_s: float, report_dir: Path) -> None:
+    from .report import not_started_report, write_reports
+    if r is not None:
+        _write_safely(lambda: write_reports(not_started_report(r, e, wall_s), report_dir / r.name))
 
 
 def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, nightly) -> None:
@@ -273,6 +286,7 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
     runners, forced = [], {}
     for name in recipes:
         shown = name if len(name) <= 80 else name[:77] + "..."
+        r = None
         try:
             r = _resolve(name, set_)
             runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
@@ -281,7 +295,7 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
             if problems:
                 raise RecipeError(problems)
         except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir)
+            _recipe_not_started(e, name, shown, statuses, report_dir, r if not isinstance(e, UsageError) else None)
             if not keep_going:
                 return
             continue
@@ -292,7 +306,13 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
         return
     if runners[0].cache.remote is None:
         raise UsageError(SHARED_CACHE_NEEDED)
-    joined = connect(ray_address)
+    try:
+        joined = connect(ray_address)
+    except ForgeError as e:     # no cluster: every resolved recipe still leaves its reports
+        for runner in runners:
+            statuses[runner.recipe.name] = Status.FAILED
+            _not_started_reports(runner.recipe, e, 0.0, report_dir)
+        raise
     build = RayBuild(runners, forced, until, keep_going,
                      on_stage=lambda recipe, res: err.print(
                          f"  {recipe}/{res.name}: {res.status}"

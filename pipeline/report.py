@@ -57,6 +57,13 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
     })
 
 
+def not_started_report(recipe: Recipe, error: BaseException, wall_s: float) -> dict:
+    """report.json of a recipe that resolved but could not start its stages (the shared store cannot be opened,
+    the disk is full, the Ray cluster cannot be reached): one failed step, ``start``, says why."""
+    return build_report(recipe, [StageResult("start", Status.FAILED, message=str(error) or type(error).__name__,
+                                             error_type=type(error).__name__)], wall_s)
+
+
 def report_dir_name(name: str) -> str:
     """A directory name for a recipe's reports even when the name given was not a valid recipe name."""
     from .recipe import MAX_NAME_CHARS, NAME_RE

@@ -105,3 +105,58 @@ def test_history_machine_class_is_the_isa_class_of_the_cache_keys(isa, monkeypat
     assert facts.machine_class(facts.machine_facts()) == isa
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "amx_int8`" not in readme
+
+
+def _closed_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]           # closed again when the block ends: nothing listens there
+
+
+def _reports(d: Path, name: str) -> dict:
+    import json
+    from xml.etree import ElementTree as ET
+    rep = json.loads((d / name / "report.json").read_text())
+    suite = ET.parse(d / name / "junit.xml").getroot()
+    assert int(suite.get("failures")) >= 1, ET.tostring(suite)
+    return rep
+
+
+def test_a_store_that_cannot_be_opened_still_leaves_reports(tmp_path, monkeypatch, capsys):
+    """FORGE_CACHE names an S3 bucket whose endpoint is a closed port (remote_cache.py reads AWS_ENDPOINT_URL):
+    exit 1 with the store named, and report.json + junit.xml for the recipe, which resolved (issue 24)."""
+    pytest.importorskip("s3fs")
+    url = "s3://forge-bucket/nightly"
+    for k, v in {"FORGE_CACHE": url, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{_closed_port()}",
+                 "AWS_ACCESS_KEY_ID": "forge", "AWS_SECRET_ACCESS_KEY": "forge", "AWS_DEFAULT_REGION": "us-east-1",
+                 "FORGE_PROGRESS": "0", "FORGE_HISTORY": str(tmp_path / "h.sqlite")}.items():
+        monkeypatch.setenv(k, v)
+    code, out = _main(monkeypatch, capsys, "build", "smollm2-135m-int8", "smollm2-135m-int4", "--keep-going",
+                      "--report-dir", tmp_path / "rep")
+    assert code == 1 and "cannot reach" in out and url in out, out
+    for name in ("smollm2-135m-int8", "smollm2-135m-int4"):
+        rep = _reports(tmp_path / "rep", name)
+        assert rep["status"] == "failed" and rep["recipe_hash"], rep
+        assert rep["stages"][0]["name"] == "start" and url in rep["stages"][0]["message"]
+    import json
+    assert json.loads((tmp_path / "rep" / "summary.json").read_text()) == {"smollm2-135m-int8": "failed",
+                                                                          "smollm2-135m-int4": "failed"}
+
+
+@pytest.mark.parametrize("error", ["disk", "bug"])
+def test_a_failure_after_resolving_leaves_reports(error, tmp_path, monkeypatch, capsys):
+    """A full disk (DiskFull, exit 1) or an unexpected exception (a bug, exit 1) before any stage ran."""
+    from pipeline import runner
+    from pipeline.diskspace import DiskFull
+
+    def fail(self, *a, **k):
+        raise DiskFull("no space left on FORGE_CACHE at /x: 0.00 GB free") if error == "disk" else RuntimeError("boom")
+    monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("FORGE_PROGRESS", "0")
+    monkeypatch.setenv("FORGE_HISTORY", str(tmp_path / "h.sqlite"))
+    monkeypatch.setattr(runner.Runner, "build", fail)
+    code, out = _main(monkeypatch, capsys, "build", "smollm2-135m-int8", "--report-dir", tmp_path / "rep")
+    assert code == 1, out
+    rep = _reports(tmp_path / "rep", "smollm2-135m-int8")
+    assert rep["status"] == "failed" and rep["stages"][0]["error_type"] == ("DiskFull" if error == "disk" else "RuntimeError")

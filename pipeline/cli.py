@@ -70,6 +70,8 @@ def recipes_list():
     """Recipes shipped in recipes/."""
     from .recipe import list_recipes, resolve
     t = Table("name", "target", "algo", "description")
+    for c in t.columns[:3]:
+        c.no_wrap = True            # names are never cut (pipeline/console.py)
     for n in list_recipes():
         try:
             r = resolve(n)
@@ -461,6 +463,8 @@ def cache_ls(cache_offline: bool = OfflineOpt):
     from .cache import BadEntry
     c = _open_cache(cache_offline)
     t = Table("key", "stage", "created", "MB", title=str(c.root) + (" (local layer)" if c.remote else ""))
+    for col in t.columns[:3]:
+        col.no_wrap = True
     for e in c.entries():
         try:
             m = e.meta

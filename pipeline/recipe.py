@@ -660,6 +660,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             problems.append(f"--set {_short(item)!r}: expected KEY.PATH=VALUE, e.g. --set quantize.calibration.samples=64")
             continue
         key, value = item.split("=", 1)
+        bad = _INVISIBLE.search(item)
+        if bad:
+            problems.append(f"--set {_short(ascii(item))}: invisible or control character U+{ord(bad.group()):04X}; "
+                            "remove it")
+            continue
         parts = key.strip().split(".")
         if not all(parts) or len(parts) > MAX_KEY_PARTS:
             problems.append(f"--set {_short(item)!r}: '{_short(key)}' is not a key path like quantize.calibration.samples")

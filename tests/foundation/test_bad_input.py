@@ -148,6 +148,8 @@ OVERRIDE_CASES = {
     "option_bounds": ("quantize.options.smoothquant_alpha=1.5", "quantize.options.smoothquant_alpha: must be a number in [0, 1]"),
     "block_not_pow2": ("quantize.block_size=48", "quantize.block_size: must be a power of two >= 16"),
     "kv_cache_foreign": ("quantize.kv_cache=int8", "quantize.kv_cache: 'int8' is a tensorrt_llm setting"),
+    "control_char": ("description=bell\x07", "--set 'description=bell\\x07': invisible or control character U+0007"),
+    "bidi_in_key": ("quantize.calibration.sam\u202eples=4", "invisible or control character U+202E"),
     "string_for_int": ("quantize.calibration.samples='64'", "quantize.calibration.samples = '64'"),
 }
 

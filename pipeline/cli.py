@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .console import make_console
 from .errors import ForgeError, RecipeError, UsageError
 from .status import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, Status, exit_code
 
@@ -26,8 +26,8 @@ app.add_typer(recipes_app, name="recipes")
 app.add_typer(cache_app, name="cache")
 app.add_typer(data_app, name="data")
 
-console = Console()
-err = Console(stderr=True)
+console = make_console()
+err = make_console(stderr=True)
 
 SetOpt = typer.Option(None, "--set", help="dotted override, e.g. --set quantize.calibration.samples=64 (repeatable)")
 HistoryOpt = typer.Option(None, "--history", help="run-history database (default: $FORGE_HISTORY, else "
@@ -70,6 +70,8 @@ def recipes_list():
     """Recipes shipped in recipes/."""
     from .recipe import list_recipes, resolve
     t = Table("name", "target", "algo", "description")
+    for c in t.columns[:3]:
+        c.no_wrap = True            # names are never cut (pipeline/console.py)
     for n in list_recipes():
         try:
             r = resolve(n)
@@ -91,20 +93,18 @@ def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
     """The fully resolved recipe (extends + overrides + defaults) and its hash."""
     import yaml
     r = _resolve(name, set_)
-    console.print(yaml.safe_dump(r.to_dict(), sort_keys=False), end="")
+    console.print(yaml.safe_dump(r.display_dict(), sort_keys=False), end="", markup=False, highlight=False)
     console.print(f"# hash: {r.hash}")
 
 
 # ------------------------------------------------------------------ plan / build
 def _plan_table(runner, plans, where: bool = False) -> Table:
     t = Table(title=f"plan: {runner.recipe.name} [{runner.recipe.build.target}]")
-    t.add_column("stage")
-    t.add_column("status")
-    t.add_column("key")
-    t.add_column("hardware")
+    for name in ("stage", "status", "key", "hardware"):
+        t.add_column(name, no_wrap=True)   # names are never cut (pipeline/console.py)
     t.add_column("why")
     if where:
-        t.add_column("runs on")
+        t.add_column("runs on", no_wrap=True)
     colors = {Status.HIT: "green", Status.MISS: "cyan", Status.CANNOT_RUN_HERE: "yellow", Status.BLOCKED: "yellow", Status.CORRUPT: "red"}
     hardware = _stage_hardware(runner)
     for p in plans:
@@ -210,6 +210,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     for name in recipes if executor == "local" else []:
         t0 = time.perf_counter()
         shown = name if len(name) <= 80 else name[:77] + "..."
+        r = None
         try:
             r = _resolve(name, set_)
             runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
@@ -217,10 +218,13 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {escape(runner.cache.location)})")
             results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
         except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir)
+            _recipe_not_started(e, name, shown, statuses, report_dir, r, time.perf_counter() - t0)
             if not keep_going:
                 break
             continue
+        except Exception as e:      # a bug: main() says so; the resolved recipe still leaves its reports
+            _not_started_reports(r, e, time.perf_counter() - t0, report_dir)
+            raise
         _finish_recipe(r, results, time.perf_counter() - t0, report_dir, statuses, nightly)
         if statuses[r.name] == Status.FAILED and not keep_going:
             break
@@ -233,9 +237,11 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     raise typer.Exit(exit_code(statuses.values()))
 
 
-def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path) -> None:
+def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path, r=None,
+                        wall_s: float = 0.0) -> None:
     """A recipe that could not start: bad recipe or arguments (status invalid, exit 2, an invalid report) or a
-    problem outside any stage (e.g. the cache location is unusable: failed)."""
+    problem outside any stage (the shared store cannot be opened, a full disk: failed, with a failed report when
+    the recipe resolved, so a nightly CI sees a result)."""
     from .report import invalid_report, report_dir_name, write_reports
     if isinstance(e, UsageError):
         err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
@@ -243,7 +249,14 @@ def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, re
         _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
     else:
         err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-        statuses[shown] = Status.FAILED
+        statuses[r.name if r is not None else shown] = Status.FAILED
+        _not_started_reports(r, e, wall_s, report_dir)
+
+
+def _not_started_reports(r, e: BaseException, wall_s: float, report_dir: Path) -> None:
+    from .report import not_started_report, write_reports
+    if r is not None:
+        _write_safely(lambda: write_reports(not_started_report(r, e, wall_s), report_dir / r.name))
 
 
 def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, nightly) -> None:
@@ -275,6 +288,7 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
     runners, forced = [], {}
     for name in recipes:
         shown = name if len(name) <= 80 else name[:77] + "..."
+        r = None
         try:
             r = _resolve(name, set_)
             runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
@@ -283,7 +297,7 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
             if problems:
                 raise RecipeError(problems)
         except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir)
+            _recipe_not_started(e, name, shown, statuses, report_dir, r if not isinstance(e, UsageError) else None)
             if not keep_going:
                 return
             continue
@@ -294,7 +308,13 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
         return
     if runners[0].cache.remote is None:
         raise UsageError(SHARED_CACHE_NEEDED)
-    joined = connect(ray_address)
+    try:
+        joined = connect(ray_address)
+    except ForgeError as e:     # no cluster: every resolved recipe still leaves its reports
+        for runner in runners:
+            statuses[runner.recipe.name] = Status.FAILED
+            _not_started_reports(runner.recipe, e, 0.0, report_dir)
+        raise
     build = RayBuild(runners, forced, until, keep_going,
                      on_stage=lambda recipe, res: err.print(
                          f"  {recipe}/{res.name}: {res.status}"
@@ -337,8 +357,12 @@ def history_cmd(args: Optional[List[str]] = typer.Argument(
     """Nightly history: a table per recipe over time, what changed between nights, a trend page, CI summaries."""
     from .env import history_db as default_db
     from .history import History, HistoryUnavailable
+    path = history_db or default_db()
+    if not path.exists() and not (args or html or summary_md or as_json):
+        console.print(f"no nights recorded in {path}")     # nothing built yet: not an error, and nothing created
+        return
     try:
-        h = History(history_db or default_db())
+        h = History(path, read_only=(args or [])[:1] != ["add-bench"])   # reading: a read-only mount is fine
     except HistoryUnavailable as e:
         raise ForgeError(f"run history: {e}") from None
     try:
@@ -394,12 +418,11 @@ def _history(h, args, since, limit, html, summary_md, as_json) -> None:
     elif not html and not summary_md:
         if not any(by_recipe.values()):
             console.print(f"no nights recorded in {h.path}" + (f" since {since_ts}" if since_ts else ""))
-        out = console if console.is_terminal else Console(width=max(console.width, 160))   # logs do not wrap
         for r, runs in by_recipe.items():
             if runs:
-                out.print(render.history_table(r, runs))
+                console.print(render.history_table(r, runs))
                 for line in render.history_notes(runs):
-                    out.print(escape(line), highlight=False)
+                    console.print(escape(line), highlight=False)
 
 
 def _night(h, ref: str):
@@ -440,6 +463,8 @@ def cache_ls(cache_offline: bool = OfflineOpt):
     from .cache import BadEntry
     c = _open_cache(cache_offline)
     t = Table("key", "stage", "created", "MB", title=str(c.root) + (" (local layer)" if c.remote else ""))
+    for col in t.columns[:3]:
+        col.no_wrap = True
     for e in c.entries():
         try:
             m = e.meta
@@ -640,7 +665,12 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
                 time.sleep(0.5)
     except KeyboardInterrupt:   # also while starting: TritonServer stops what it started
         err.print("stopping tritonserver ...")
+        interrupted = True
+    else:
+        interrupted = False
     err.print("tritonserver stopped")
+    if interrupted:
+        raise typer.Exit(EXIT_INTERRUPTED)     # Ctrl-C / kill: 130 like every command (README)
 
 
 def _package_of(recipe: str, set_) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 from pathlib import Path
 
 from .env import free_bytes
@@ -52,11 +53,19 @@ def _place(path: Path, cache_root: Path, home: Path) -> str:
     return f"the disk of {p}"
 
 
+def written_path(evidence) -> Path | None:
+    """The file whose write ran out of space: a failed copy or move (shutil.copyfile, os.rename) names its
+    source in ``filename`` and its destination in ``filename2``, and only the destination is written."""
+    if not isinstance(evidence, OSError):
+        return None
+    name = evidence.filename2 or evidence.filename
+    return Path(os.fsdecode(name)) if isinstance(name, (str, bytes, os.PathLike)) else None
+
+
 def no_space_message(evidence, cache_root: Path, home: Path, need: int | None) -> str:
     if isinstance(evidence, DiskFull):
         return str(evidence)
-    path = Path(evidence.filename) if isinstance(evidence, OSError) and evidence.filename else \
-        (evidence if isinstance(evidence, Path) else cache_root)
+    path = written_path(evidence) or (evidence if isinstance(evidence, Path) else cache_root)
     free = free_bytes(path)
     have = f"{free / GB:.2f} GB free" if free is not None else "free space unknown"
     needs = f"the stage needs about {need / GB:.2f} GB" if need else "the stage's need is not known beforehand"

@@ -7,10 +7,11 @@ import os
 import sys
 from typing import Callable, Iterator
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(stderr=True)
+from .console import make_console
+
+console = make_console(stderr=True)
 
 
 def _enabled() -> bool:

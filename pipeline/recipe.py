@@ -356,6 +356,17 @@ class Recipe(Section):
     def to_dict(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
 
+    def display_dict(self) -> dict:
+        """``to_dict`` as a recipe writes it, for people: each regression rule in its short, signed form
+        ('-0.01', '+10%'), which says which way is worse (``{abs: 0.01}`` does not). Not hashed."""
+        d = self.to_dict()
+        rules = self.validate_.regression
+        for name, field in type(rules).model_fields.items():
+            rule = getattr(rules, name)
+            if rule is not None:
+                d["validate"]["regression"][field.alias or name] = rule.text(field.json_schema_extra["worse"])
+        return d
+
     @property
     def hash(self) -> str:
         return sha256_json(self.to_dict())
@@ -398,6 +409,11 @@ def _check_file(p: Path, shown: str) -> Path:
             raise RecipeError([f"{shown}: is a directory, not a recipe file; give a .yaml file or a recipe name "
                                f"(`forge recipes list`)"])
         if not p.is_file():
+            if p.is_symlink():      # is_file() follows links: a dangling link or a loop of links lands here
+                raise RecipeError([f"{shown}: a symbolic link that leads to no file (dangling, or a loop of "
+                                   "links); point it at a recipe file"])
+            if p.exists():          # reading a FIFO would wait forever, a device never ends
+                raise RecipeError([f"{shown}: not a regular file (a FIFO, socket or device); give a .yaml file"])
             raise RecipeError([f"{shown}: no such recipe file"])
     except OSError as e:            # e.g. a name too long for the file system
         raise RecipeError([f"{_short(shown)}: cannot be opened as a recipe file ({e.strerror or e})"]) from None
@@ -475,16 +491,68 @@ def _node_problems(root: yaml.Node, path: Path) -> list[str]:
     return problems
 
 
-def _yaml_error(e: yaml.YAMLError, where: str) -> str:
+def _yaml_error(e: yaml.YAMLError, where: str, text: str = "") -> str:
     mark = getattr(e, "problem_mark", None)
     at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    return f"{where}: YAML syntax error{at}: {getattr(e, 'problem', None) or e}"
+    if isinstance(e, yaml.reader.ReaderError):      # a character YAML forbids; it knows only the offset
+        line = text.count("\n", 0, e.position) + 1
+        key = _key_at(text, line)
+        return (f"{where}: character U+{e.character:04X} at line {line}" + (f" (key '{_short(key)}')" if key else "")
+                + ": YAML does not allow it in a document; remove it")
+    key = _key_at(text, mark.line + 1) if mark and text else ""
+    return f"{where}: YAML syntax error{at}{f' (key {_short(key)!r})' if key else ''}: " \
+           f"{getattr(e, 'problem', None) or e}"
+
+
+_KEY_LINE = re.compile(r"^(\s*)(?:-\s+)?([^\s#:'\"][^:#]*?|'[^']*'|\"[^\"]*\"):(?:\s|$)")
+
+
+def _key_at(text: str, line: int) -> str:
+    """The dotted key a line of a block-style YAML text belongs to ('' when it cannot tell): the line's own key,
+    under the keys of the less indented lines above it. For messages about text YAML cannot parse."""
+    path: list[tuple[int, str]] = []
+    for ln in text.splitlines()[:line]:
+        m = _KEY_LINE.match(ln)
+        if not m:
+            continue
+        indent = len(m.group(1))
+        while path and path[-1][0] >= indent:
+            path.pop()
+        path.append((indent, m.group(2).strip("'\"")))
+    return ".".join(k for _, k in path)
+
+
+# Characters that make a recipe read differently than it runs (Trojan Source, CVE-2021-42574) or that no editor
+# shows: C0/C1 controls but tab and newlines, format characters (zero-width, bidi overrides, soft hyphen) and
+# the Unicode line/paragraph separators. A byte-order mark is accepted as the file's first character only.
+_INVISIBLE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u00ad\u061c\u180e\u200b-\u200f\u2028-\u202e"
+                        "\u2060-\u206f\ufeff\ufff9-\ufffb]")
+
+
+def invisible_problems(text: str, where: str) -> list[str]:
+    """Each control, zero-width or bidi character of ``text`` (up to 5), by line, column and key."""
+    import unicodedata
+    out = []
+    for m in _INVISIBLE.finditer(text, 1 if text.startswith("\ufeff") else 0):
+        if len(out) == 5:
+            out.append(f"{where}: more such characters follow")
+            break
+        line = text.count("\n", 0, m.start()) + 1
+        col = m.start() - (text.rfind("\n", 0, m.start()) + 1) + 1
+        key = _key_at(text, line)
+        ch = m.group()
+        out.append(f"{where}: invisible or control character U+{ord(ch):04X} "
+                   f"({unicodedata.name(ch, 'control character')}) at line {line}, column {col}"
+                   + (f" (key '{key}')" if key else "") + "; it makes the recipe read differently than it runs: "
+                   "remove it (write it as an escape such as \\u200b inside a double-quoted string if you mean it)")
+    return out
 
 
 def parse_yaml(text: str, where: str):
     """One YAML document, checked for duplicate keys, depth and size; RecipeError names ``where``."""
-    loader = _Loader(text)
+    loader = None
     try:
+        loader = _Loader(text)      # its reader rejects characters YAML forbids: a YAMLError too
         node = loader.get_single_node()
         if node is None:
             return None
@@ -493,11 +561,12 @@ def parse_yaml(text: str, where: str):
             raise RecipeError(problems)
         return loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise RecipeError([_yaml_error(e, where)]) from None
+        raise RecipeError([_yaml_error(e, where, text)]) from None
     except RecursionError:
         raise RecipeError([f"{where}: nested too deeply to read; a recipe is a few levels of sections"]) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def read_recipe_text(path: Path) -> str:
@@ -515,9 +584,14 @@ def read_recipe_text(path: Path) -> str:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise RecipeError([f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
-                           "save the recipe as UTF-8"]) from None
-    return text
+        line = raw.count(b"\n", 0, e.start) + 1
+        key = _key_at(raw.decode("utf-8", "replace"), line)
+        raise RecipeError([f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}, line {line}"
+                           + (f", key '{_short(key)}'" if key else "") + "); save the recipe as UTF-8"]) from None
+    problems = invisible_problems(text, str(path))
+    if problems:
+        raise RecipeError(problems)
+    return text.removeprefix("\ufeff")
 
 
 def _read_yaml(path: Path) -> dict:
@@ -552,7 +626,10 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise RecipeError([f"{path}: key 'extends' must name a recipe (e.g. extends: smollm2-135m-fp32), "
                            f"got {parent!r}"])
     # a name is looked up beside this file; a path is relative to it
-    parent_path = recipe_path(parent, path.parent, relative_to=path.parent)
+    try:
+        parent_path = recipe_path(parent, path.parent, relative_to=path.parent)
+    except RecipeError as e:
+        raise RecipeError([f"{path}: extends: {m}" for m in e.problems]) from None
     return deep_merge(_load_raw(parent_path, (*seen, path)), data)
 
 
@@ -583,6 +660,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             problems.append(f"--set {_short(item)!r}: expected KEY.PATH=VALUE, e.g. --set quantize.calibration.samples=64")
             continue
         key, value = item.split("=", 1)
+        bad = _INVISIBLE.search(item)
+        if bad:
+            problems.append(f"--set {_short(ascii(item))}: invisible or control character U+{ord(bad.group()):04X}; "
+                            "remove it")
+            continue
         parts = key.strip().split(".")
         if not all(parts) or len(parts) > MAX_KEY_PARTS:
             problems.append(f"--set {_short(item)!r}: '{_short(key)}' is not a key path like quantize.calibration.samples")
@@ -716,11 +798,28 @@ def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: 
     if problems:
         raise RecipeError(problems)
     recipe = Recipe.model_validate(data)
-    problems = semantic_problems(recipe, str(path))
+    problems = semantic_problems(recipe, str(path)) + foreign_build_problems(path, overrides or [],
+                                                                              recipe.build.target)
     if problems:
         raise RecipeError(problems)
     recipe._path = str(path)
     return recipe
+
+
+def foreign_build_problems(path: Path, overrides: list[str], target: str) -> list[str]:
+    """A build.<target> section another target reads, set by this recipe file or a --set, is refused (it would be
+    accepted and ignored). Sections inherited through ``extends`` from a recipe of another target are not: that
+    recipe set them for its own target (e.g. smollm2-135m-trt-int8 extends the onnxruntime recipe)."""
+    own = apply_overrides(_read_yaml(path), [o for o in overrides if o.split("=", 1)[0].strip().startswith("build.")])
+    build = own.get("build") if isinstance(own.get("build"), dict) else {}
+    defaults = BuildSection().model_dump(mode="json", by_alias=True)
+    # a value equal to the default sets nothing: `forge recipes resolve` writes every section, and reads back
+    sections = {s for s, v in build.items() if s in defaults and isinstance(v, dict)
+                and any(defaults[s].get(k, object()) != x for k, x in v.items())}
+    where = f"{path} (or --set)" if overrides else str(path)
+    return [f"{where}: build.{s}: read only by build.target '{s}'; this recipe builds build.target '{target}', "
+            f"which ignores it: remove build.{s} (or set build.target: {s})"
+            for s in sorted(sections) if s in TARGET_ALGOS and s != target]
 
 
 # ---------------------------------------------------------------- rules across fields (no model facts)
@@ -737,7 +836,7 @@ def quantize_problems(q: dict, target: str) -> list[str]:
     target, alpha / block_size only where the quantizer reads them, QAT warm-up inside the run, and
     ``quantize.options`` against the quantizer's options schema (pipeline/recipe_options.py). ``q`` is the
     section as a dict (defaults filled in); values of the wrong type are left to the schema."""
-    from .recipe_options import ORT_SECTION_OPTION, QUANTIZERS, quantizer
+    from .recipe_options import MOVED_OPTIONS, MOVED_SECTION_KEYS, ORT_SECTION_OPTION, QUANTIZERS, quantizer
     p = []
     method, algo, kv = q.get("method"), q.get("algo"), q.get("kv_cache", "none")
     allowed = TARGET_ALGOS[target]
@@ -761,7 +860,18 @@ def quantize_problems(q: dict, target: str) -> list[str]:
                  f"export to ONNX); use method: ptq for '{target}'")
     qz = quantizer(target, algo) if isinstance(algo, str) else None
     for key in ("alpha", "block_size"):
-        if q.get(key) is not None and qz is not None and key not in qz.section_keys:
+        moved = MOVED_SECTION_KEYS.get((target, key))
+        if q.get(key) is not None and moved:
+            opt = moved.rsplit(".", 1)[1]
+            if qz is not None and opt in qz.options.model_fields:
+                p.append(f"quantize.{key}: build.target '{target}' reads this as {moved} (one spelling per option); "
+                         f"did you mean '{moved}'?")
+            else:
+                users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if t == target
+                               and opt in z.options.model_fields)
+                p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
+                         f"{', '.join(users)}, as {moved}); remove it")
+        elif q.get(key) is not None and qz is not None and key not in qz.section_keys:
             users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if key in z.section_keys and t == target)
             p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
                      f"{', '.join(users) or 'no algo of this target'}); remove it")
@@ -782,6 +892,10 @@ def quantize_problems(q: dict, target: str) -> list[str]:
                         p.append(f"quantize.{key}: quantize.options.{opt} says the same; set one of them")
                     opts[opt] = q[key]
                     renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
+        for opt in [o for o in opts if (target, o) in MOVED_OPTIONS]:
+            p.append(f"quantize.options.{opt}: build.target '{target}' reads this as {MOVED_OPTIONS[target, opt]} "
+                     f"(one spelling per option); did you mean '{MOVED_OPTIONS[target, opt]}'?")
+            del opts[opt]
         for m in section_problems(qz.options, opts, ("quantize", "options")):
             head, _, rest = m.partition(" ")
             p.append(renamed.get(head, head) + " " + rest)

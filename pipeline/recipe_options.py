@@ -73,8 +73,7 @@ class OrtInt8Options(OrtOptions):
     blockwise: list[Pattern] = Field(default_factory=lambda: ["*.mlp.down_proj", "lm_head"], max_length=1000,
                                      description="mixed: fnmatch patterns of the MatMuls quantized blockwise")
     smoothquant_alpha: Optional[float] = Field(0.5, ge=0, le=1, description=(
-        "SmoothQuant migration strength folded into the RMSNorm weights (needs calibration); null: no smoothing. "
-        "quantize.alpha sets it too"))
+        "SmoothQuant migration strength folded into the RMSNorm weights (needs calibration); null: no smoothing"))
     smoothquant_only: list[Pattern] = Field(default_factory=lambda: ["*.q_proj", "*.gate_proj"], max_length=1000,
                                             description="smooth only the inputs of these MatMuls (and their siblings)")
     embedding: Literal["int8", "fp32"] = Field("int8", description="the embedding Gather as int8 per row, or fp32")
@@ -107,8 +106,7 @@ class TensorrtOptions(Options):
     calibration_method: Literal["entropy", "max"] = Field("entropy", description=(
         "activation ranges: entropy (KL-optimal clipping, ORT's calibrator) or max (absolute maximum)"))
     smoothquant_alpha: Optional[float] = Field(None, ge=0, le=1, description=(
-        "SmoothQuant migration strength folded into the FP32 weights before calibration; null: no smoothing. "
-        "quantize.alpha sets it too"))
+        "SmoothQuant migration strength folded into the FP32 weights before calibration; null: no smoothing"))
 
 
 class TensorrtInt8Options(TensorrtOptions):
@@ -135,16 +133,22 @@ class Quantizer:
 _MODELOPT = {"none": Quantizer(ModeloptOptions), "int8_sq": Quantizer(ModeloptOptions, ("alpha",)),
              "int8_wo": Quantizer(ModeloptOptions), "int4_wo": Quantizer(ModeloptOptions, ("block_size",)),
              "int4_awq": Quantizer(ModeloptOptions, ("block_size",)), "fp8": Quantizer(ModeloptOptions)}
-_ORT = {"none": Quantizer(NoOptions), "int8": Quantizer(OrtInt8Options, ("alpha", "block_size")),
+_ORT = {"none": Quantizer(NoOptions), "int8": Quantizer(OrtInt8Options, ("block_size",)),
         "int4_wo": Quantizer(OrtInt4Options, ("block_size",))}
 QUANTIZERS: dict[tuple[str, str], Quantizer] = {
     **{("onnxruntime", a): q for a, q in _ORT.items()},
     **{("tensorrt_llm", a): q for a, q in _MODELOPT.items()},
-    ("tensorrt", "none"): Quantizer(NoOptions), ("tensorrt", "int8"): Quantizer(TensorrtInt8Options, ("alpha",)),
-    ("tensorrt", "fp8"): Quantizer(TensorrtFp8Options, ("alpha",)),
+    ("tensorrt", "none"): Quantizer(NoOptions), ("tensorrt", "int8"): Quantizer(TensorrtInt8Options),
+    ("tensorrt", "fp8"): Quantizer(TensorrtFp8Options),
 }
 # a quantize-section key -> the option it stands for in ONNX Runtime's quantizers
-ORT_SECTION_OPTION = {"alpha": "smoothquant_alpha", "block_size": "block_size"}
+ORT_SECTION_OPTION = {"block_size": "block_size"}
+# One spelling per option (issue 25): SmoothQuant's strength is quantize.alpha where ModelOpt's torch quantizer
+# reads it (tensorrt_llm) and quantize.options.smoothquant_alpha where the quantizer's options model owns it
+# (null there turns smoothing off, which a section-level alpha cannot say). The other spelling is refused.
+MOVED_SECTION_KEYS = {("onnxruntime", "alpha"): "quantize.options.smoothquant_alpha",
+                      ("tensorrt", "alpha"): "quantize.options.smoothquant_alpha"}
+MOVED_OPTIONS = {("tensorrt_llm", "smoothquant_alpha"): "quantize.alpha"}
 
 
 def quantizer(target: str, algo: str) -> Quantizer | None:

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .console import make_console
 from .env import atomic_write, cpu_facts, cpu_model
 from .hashing import sha256_json
 from .recipe import Recipe
@@ -54,6 +55,13 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
         "stages": [asdict(r) | {"duration_s": round(r.duration_s, 3), "peak_rss_mb": round(r.peak_rss_mb, 1)}
                    for r in results],
     })
+
+
+def not_started_report(recipe: Recipe, error: BaseException, wall_s: float) -> dict:
+    """report.json of a recipe that resolved but could not start its stages (the shared store cannot be opened,
+    the disk is full, the Ray cluster cannot be reached): one failed step, ``start``, says why."""
+    return build_report(recipe, [StageResult("start", Status.FAILED, message=str(error) or type(error).__name__,
+                                             error_type=type(error).__name__)], wall_s)
 
 
 def report_dir_name(name: str) -> str:
@@ -124,7 +132,7 @@ KEY_METRICS = ("ppl_delta_pct", "ppl_ptq_delta_pct", "ppl_qat_delta_pct", "simul
 def summary_table(report: dict) -> Table:
     t = Table(title=f"{escape(str(report['recipe']))} [{report['target']}] — {report['status']} in {report['wall_s']:.1f}s")
     for col in ("stage", "status", "time s", "peak RSS MB", "key", "notes"):
-        t.add_column(col)
+        t.add_column(col, no_wrap=col != "notes")      # names are never cut (pipeline/console.py)
     colors = {Status.HIT: "green", Status.BUILT: "cyan", Status.FAILED: "red", Status.CANNOT_RUN_HERE: "yellow", Status.SKIPPED: "dim",
               Status.INVALID: "red"}
     for st in report["stages"]:
@@ -141,7 +149,7 @@ def summary_table(report: dict) -> Table:
 def write_reports(report: dict, out_dir: Path, console: Console | None = None) -> None:
     atomic_write(out_dir / "report.json", json.dumps(report, indent=2, default=str))
     atomic_write(out_dir / "junit.xml", junit_xml(report))
-    c = Console(record=True, width=140, file=io.StringIO())
+    c = make_console(record=True, file=io.StringIO())   # a file: no line is wrapped
     c.print(summary_table(report))
     atomic_write(out_dir / "summary.txt", c.export_text())
     if console:

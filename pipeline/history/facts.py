@@ -17,7 +17,7 @@ from .store import Run, flatten_metrics
 
 
 def cpu_isa() -> str:
-    """The CPU's ISA class (``env.cpu_isa_class``): what INT8 numbers are comparable across."""
+    """The CPU's ISA class, as every cache key and report names it (``env.cpu_isa_class``, its one home)."""
     return env.cpu_isa_class()
 
 

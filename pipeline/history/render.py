@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from datetime import datetime, timedelta, timezone
 
@@ -51,7 +52,17 @@ def peak_rss(run: Run) -> float | None:
 
 
 def _fmt(v, fmt="{:.4g}") -> str:
-    return "—" if v is None else fmt.format(v)
+    """``fmt`` applied to ``v``, but never in exponent notation: 3.05e-07 is written 0.000000305 (a table and a
+    log are read by eye and grepped; 1e-07 next to 0.12 reads as the larger number)."""
+    if v is None:
+        return "—"
+    text = fmt.format(v)
+    m = re.search(r"\.(\d+)g", fmt)
+    if m and "e" in text and isinstance(v, (int, float)) and math.isfinite(v) and v != 0:
+        sig = int(m.group(1))
+        decimals = max(0, sig - 1 - math.floor(math.log10(abs(v))))
+        text = f"{v:{'+' if fmt.startswith('{:+') else ''}.{decimals}f}"
+    return text
 
 
 def regression_failures(run: Run) -> list[dict]:
@@ -66,7 +77,7 @@ def night_note(prev: Run | None, run: Run) -> str:
         ch = changes(prev, run)
         parts.append(f"vs {prev.label}: {brief(ch, 2)}" if ch else f"vs {prev.label}: nothing changed")
     for g in regression_failures(run):
-        parts.append(f"REGRESSION {g['name']} {g['value']:.4g} vs {g['baseline']:.4g} (#{g['baseline_run']})")
+        parts.append(f"REGRESSION {g['name']} {_fmt(g['value'])} vs {_fmt(g['baseline'])} (#{g['baseline_run']})")
     bad = [s for s in run.stages if s["status"] == "failed" and s["name"] != "regression"]
     if bad:
         parts.append(f"{bad[0]['name']} failed: {bad[0]['message'][:120]}")
@@ -165,7 +176,7 @@ def _metric_row(name: str, va, vb, worse: str) -> str:
         d = vb - va
         rel = f" ({d / abs(va) * 100:+.1f} %)" if va else ""
         tag = "" if d == 0 else ("  worse" if (d > 0) == (worse == "higher") else "  better")
-        change = f"{d:+.4g}{rel}{tag}"
+        change = f"{_fmt(d, '{:+.4g}')}{rel}{tag}"
     return f"{name:<28}{_fmt(va):>14}{_fmt(vb):>14}  {change}"
 
 
@@ -197,7 +208,7 @@ def summary_md(history: History, recipes: list[str]) -> str:
             cell = _fmt(v, fmt)
             if v is not None and g is not None and v != g:
                 worse = (v > g) == (cat[n].worse == "higher")
-                cell += f" ({v - g:+.3g} {'worse' if worse else 'better'})"
+                cell += f" ({_fmt(v - g, '{:+.3g}')} {'worse' if worse else 'better'})"
             cells.append(cell)
         what = brief(changes(good, tonight), 3) if good else "no earlier good night"
         rows.append(f"| {tonight.recipe} | {STATUS_MARK.get(tonight.status, '')} {tonight.status} {tonight.label} "

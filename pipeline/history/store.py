@@ -165,8 +165,11 @@ def _num(v) -> float | None:
 class History:
     """An open run-history database."""
 
-    def __init__(self, path: Path, timeout: float | None = None):
+    def __init__(self, path: Path, timeout: float | None = None, read_only: bool = False):
         self.path = Path(path)
+        if read_only:
+            self._open_read_only()
+            return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # autocommit mode: transactions are explicit (BEGIN IMMEDIATE takes the write lock up front)
@@ -186,6 +189,37 @@ class History:
         except HistoryUnavailable:
             self.db.close()
             raise
+
+    def _open_read_only(self) -> None:
+        """Open for reading only, so a history on a read-only mount (or owned by another user) can be read:
+        ``mode=ro`` first; when SQLite cannot create the WAL index (-shm) beside a read-only file, ``immutable=1``
+        (https://www.sqlite.org/uri.html: safe here because nothing of ours writes to it while we read)."""
+        if not self.path.is_file():
+            raise HistoryUnavailable(f"no run history at {self.path}: `forge build` records one (or name another "
+                                     f"with --history or $FORGE_HISTORY)")
+        from urllib.parse import quote
+        uri = f"file:{quote(str(self.path.absolute()))}?mode=ro"
+        last: sqlite3.Error | None = None
+        for extra in ("", "&immutable=1"):
+            try:
+                self.db = sqlite3.connect(uri + extra, uri=True, isolation_level=None)
+            except sqlite3.Error as e:
+                last = e
+                continue
+            try:
+                v = self._version()
+            except sqlite3.Error as e:
+                self.db.close()
+                last = e
+                continue
+            if v != SCHEMA_VERSION:
+                self.db.close()
+                raise HistoryUnavailable(
+                    f"{self.path} has schema version {v}, this forge reads {SCHEMA_VERSION}: "
+                    + ("upgrade forge" if v > SCHEMA_VERSION else "open it writable once (`forge build` or "
+                       "`forge history` where it can be written) to migrate it"))
+            return
+        raise HistoryUnavailable(_explain(self.path, last)) from None
 
     def close(self) -> None:
         self.db.close()

@@ -86,7 +86,7 @@ class OrtExport(Stage):
 
 
 def ort_options(q) -> dict:
-    """quantize.options as written, with quantize.alpha / quantize.block_size as the options they stand for
+    """quantize.options as written, with quantize.block_size as the option it stands for
     (pipeline/recipe_options.py; the recipe schema refuses both spellings at once)."""
     from ..recipe_options import ORT_SECTION_OPTION
     opts = dict(q.options)

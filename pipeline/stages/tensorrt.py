@@ -33,7 +33,7 @@ class TensorrtQuantize(Stage):
 
     def _options(self, r):
         from ..tensorrt.quantize import resolve_options
-        return resolve_options(r.quantize.algo, r.quantize.options, r.quantize.alpha)
+        return resolve_options(r.quantize.algo, r.quantize.options)
 
     def config(self, r):
         q = r.quantize

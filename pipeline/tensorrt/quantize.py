@@ -53,9 +53,8 @@ QUANT_FILE = "tensorrt_quant.json"
 TRT_UNPARSABLE = {"MatMulInteger", "DynamicQuantizeLinear", "MatMulNBits", "DynamicQuantizeMatMul", "QLinearMatMul"}
 
 
-def resolve_options(algo: str, options: dict, alpha: float | None = None) -> TensorrtOptions:
-    """The options model of ``algo`` (pipeline/recipe_options.py) filled from ``quantize.options``
-    (``quantize.alpha`` sets smoothquant_alpha)."""
+def resolve_options(algo: str, options: dict) -> TensorrtOptions:
+    """The options model of ``algo`` (pipeline/recipe_options.py) filled from ``quantize.options``."""
     from pydantic import ValidationError
 
     qz = quantizer("tensorrt", algo)
@@ -65,8 +64,6 @@ def resolve_options(algo: str, options: dict, alpha: float | None = None) -> Ten
                              "(nothing is quantized); remove them")
         return TensorrtOptions()
     opts = dict(options)
-    if alpha is not None:
-        opts.setdefault("smoothquant_alpha", alpha)
     try:
         return qz.options.model_validate(opts)
     except ValidationError as e:

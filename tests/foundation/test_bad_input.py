@@ -148,6 +148,8 @@ OVERRIDE_CASES = {
     "option_bounds": ("quantize.options.smoothquant_alpha=1.5", "quantize.options.smoothquant_alpha: must be a number in [0, 1]"),
     "block_not_pow2": ("quantize.block_size=48", "quantize.block_size: must be a power of two >= 16"),
     "kv_cache_foreign": ("quantize.kv_cache=int8", "quantize.kv_cache: 'int8' is a tensorrt_llm setting"),
+    "control_char": ("description=bell\x07", "--set 'description=bell\\x07': invisible or control character U+0007"),
+    "bidi_in_key": ("quantize.calibration.sam\u202eples=4", "invisible or control character U+202E"),
     "string_for_int": ("quantize.calibration.samples='64'", "quantize.calibration.samples = '64'"),
 }
 
@@ -163,7 +165,7 @@ def test_malformed_override(case, capsys, monkeypatch):
 @pytest.mark.parametrize("recipe, item, expect", [
     ("smollm2-135m-fp32", "quantize.options.method=mixed", "quantize.options.method: unknown key (no key is allowed here)"),
     ("smollm2-135m-int4", "quantize.alpha=0.5", "quantize.alpha: not read by build.target 'onnxruntime' with algo "
-                                               "'int4_wo' (read by: onnxruntime int8)"),
+                                               "'int4_wo' (read by: onnxruntime int8, as quantize.options.smoothquant_alpha)"),
     ("smollm2-135m-int4", "quantize.options.block_size=64", "quantize.block_size: quantize.options.block_size says "
                                                            "the same; set one of them"),
     ("smollm2-135m-trtllm-tp3", "quantize.options.blockwise=[lm_head]", "quantize.options.blockwise: unknown key "
@@ -272,3 +274,124 @@ def test_real_entry_point(args, code, expect, tmp_path):
                        env=env, timeout=120)
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == code and expect in out and "Traceback" not in out, out
+
+
+# Issue 24: more hostile recipes. Each exits 2, names the file and the key (or the line), and shows no traceback.
+# Recipe text is appended to a valid recipe (line 1 is its `extends:`), so a key on the first line is at line 2.
+HOSTILE_CASES = {
+    "control_bell": ('description: "bell\x07"\n', ["r.yaml", "U+0007", "line 2", "key 'description'"]),
+    "control_escape_sequence": ('description: "\x1b[31mred"\n', ["r.yaml", "U+001B", "key 'description'"]),
+    "control_nel": ("description: a\x85b\n", ["r.yaml", "U+0085", "key 'description'"]),
+    "control_in_nested_key": ("quantize:\n  calibration:\n    samples: 4\x08\n",
+                              ["r.yaml", "U+0008", "line 4", "key 'quantize.calibration.samples'"]),
+    "zero_width_space_in_key": ("quan\u200btize:\n  algo: int8\n", ["r.yaml", "U+200B", "ZERO WIDTH SPACE"]),
+    "zero_width_joiner_in_value": ("description: a\u200db\n", ["r.yaml", "U+200D", "key 'description'"]),
+    "word_joiner": ("description: a\u2060b\n", ["r.yaml", "U+2060", "key 'description'"]),
+    "bidi_override": ('name: "abc\u202edef"\n', ["r.yaml", "U+202E", "RIGHT-TO-LEFT OVERRIDE", "key 'name'"]),
+    "bidi_isolate": ("build:\n  onnxruntime:\n    opt_level: basic\u2066\n",
+                     ["r.yaml", "U+2066", "key 'build.onnxruntime.opt_level'"]),
+    "soft_hyphen_in_key": ("validate:\n  thresh\u00adolds: {top1_agreement_min: 0.5}\n", ["r.yaml", "U+00AD", "line 3"]),
+    "line_separator": ("description: a\u2028b\n", ["r.yaml", "U+2028", "key 'description'"]),
+    "bom_in_the_middle": ("description: a\ufeffb\n", ["r.yaml", "U+FEFF", "key 'description'"]),
+    "latin1_bytes": (b"description: caf\xe9\n", ["r.yaml", "not UTF-8 text (byte 0xe9 at offset 16, line 1, key 'description')"]),
+    "utf16_file": ("description: x\n".encode("utf-16"), ["r.yaml", "binary file"]),
+    "python_tag": ("!x: !!python/object/apply:os.system ['true']\n", ["r.yaml", "python/object/apply:os.system"]),
+    "recursive_anchor": ("!quantize: &a {options: *a}\n", ["r.yaml", "nested more than 16 levels"]),
+    "huge_anchor_aliased": ("!big: &a '" + "x" * 200_000 + "'\ndescription: *a\n", ["r.yaml", "unknown key 'big'"]),
+    "two_documents": ("!description: a\n---\ndescription: b\n", ["r.yaml", "YAML syntax error"]),
+    "tab_indent": ("!quantize:\n\talgo: int8\n", ["r.yaml", "YAML syntax error at line 2"]),
+    "dup_option": ("quantize:\n  options:\n    smoothquant_alpha: 0.5\n    smoothquant_alpha: 0.6\n",
+                   ["r.yaml", "duplicate key 'quantize.options.smoothquant_alpha'"]),
+    "bool_for_int": ("quantize:\n  calibration: {samples: true}\n", ["r.yaml", "quantize.calibration.samples = True"]),
+    "string_for_float": ("validate:\n  thresholds: {ppl_delta_pct_max: '5'}\n",
+                         ["r.yaml", "validate.thresholds.ppl_delta_pct_max = '5'"]),
+    "list_for_section": ("validate: [1, 2]\n", ["r.yaml", "validate = [1, 2]"]),
+    "null_section": ("quantize: null\n", ["r.yaml", "quantize = None"]),
+    "inf_samples": ("quantize:\n  calibration: {samples: .inf}\n", ["r.yaml", "quantize.calibration.samples = inf"]),
+    "minus_inf_threshold": ("validate:\n  thresholds: {ppl_delta_pct_max: -.inf}\n",
+                            ["r.yaml", "validate.thresholds.ppl_delta_pct_max = -inf"]),
+    "nan_option": ("quantize:\n  options: {smoothquant_alpha: .nan}\n", ["r.yaml", "quantize.options.smoothquant_alpha"]),
+    "yes_as_section_name": ("!yes: 1\n", ["r.yaml", "section names must be text, got True"]),
+    "int_key_nested": ("quantize:\n  1: 2\n", ["r.yaml", "quantize.1"]),
+    "long_key": ("quantize:\n  " + "k" * 5000 + ": 1\n", ["r.yaml", "YAML syntax error at line 3, column 5003 (key 'quantize.kkkk"]),
+    "long_name": ("name: " + "a" * 1000 + "\n", ["r.yaml", "name = 'aaaa", "at most 128 characters"]),
+    "foreign_build_section": ("build:\n  tensorrt_llm: {tp: 4}\n  tensorrt: {workspace_gib: 64}\n",
+                              ["r.yaml", "build.tensorrt_llm: read only by build.target 'tensorrt_llm'",
+                               "build.tensorrt: read only by build.target 'tensorrt'"]),
+    "alpha_second_spelling": ("quantize:\n  alpha: 0.5\n",
+                              ["r.yaml", "quantize.alpha: build.target 'onnxruntime' reads this as "
+                               "quantize.options.smoothquant_alpha", "did you mean 'quantize.options.smoothquant_alpha'?"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_CASES))
+def test_hostile_recipe_file(case, tmp_path, capsys, monkeypatch):
+    text, expect = HOSTILE_CASES[case]
+    p = recipe(tmp_path, text)
+    code, out = run_cli(capsys, monkeypatch, "plan", p)
+    assert code == 2, out
+    assert "unexpected error" not in out, out
+    for frag in expect:
+        assert frag in out, out
+
+
+def test_a_leading_byte_order_mark_is_accepted(tmp_path, capsys, monkeypatch):
+    p = recipe(tmp_path, f"\ufeffextends: {RECIPES_DIR / 'smollm2-135m-int8.yaml'}\n"
+                         "description: saved by an editor that writes a BOM\n".encode())
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", p)
+    assert code == 0 and "description: saved by an editor" in out, out
+
+
+def _special_files(tmp_path: Path) -> dict[str, Path]:
+    """A recipe path that is no regular file: symlink loops, a dangling link, a FIFO, a device, a directory."""
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    (tmp_path / "a.yaml").symlink_to(tmp_path / "b.yaml")
+    (tmp_path / "b.yaml").symlink_to(tmp_path / "a.yaml")
+    (tmp_path / "dangling.yaml").symlink_to(tmp_path / "nowhere.yaml")
+    os.mkfifo(tmp_path / "fifo.yaml")
+    (tmp_path / "dir.yaml").mkdir()
+    return {"loop": tmp_path / "loop.yaml", "two_link_loop": tmp_path / "a.yaml",
+            "dangling": tmp_path / "dangling.yaml", "fifo": tmp_path / "fifo.yaml", "device": Path("/dev/zero"),
+            "directory": tmp_path / "dir.yaml"}
+
+
+SPECIAL_EXPECT = {"loop": "leads to no file", "two_link_loop": "leads to no file", "dangling": "leads to no file",
+                  "fifo": "not a regular file", "device": "not a regular file", "directory": "is a directory"}
+
+
+@pytest.mark.parametrize("kind", sorted(SPECIAL_EXPECT))
+def test_recipe_that_is_no_regular_file(kind, tmp_path, capsys, monkeypatch):
+    """Given directly, and named by `extends:` (the message then names the extending file and the key)."""
+    path = _special_files(tmp_path)[kind]
+    code, out = run_cli(capsys, monkeypatch, "plan", path)       # a FIFO must not hang the command
+    assert code == 2 and str(path) in out and SPECIAL_EXPECT[kind] in out, out
+    child = recipe(tmp_path, f"!extends: {path}\n", "child")
+    code, out = run_cli(capsys, monkeypatch, "plan", child)
+    assert code == 2 and f"{child}: extends: {path}" in out and SPECIAL_EXPECT[kind] in out, out
+
+
+def test_extends_a_directory_names_the_file_and_the_key(tmp_path, capsys, monkeypatch):
+    (tmp_path / "sub").mkdir()
+    p = recipe(tmp_path, "!extends: sub/\n")
+    code, out = run_cli(capsys, monkeypatch, "plan", p)
+    assert code == 2 and f"{p}: extends: sub/: is a directory" in out, out
+
+
+@pytest.mark.parametrize("recipe_name, item, expect", [
+    ("smollm2-135m-int8", "build.tensorrt_llm.tp=4", "build.tensorrt_llm: read only by build.target 'tensorrt_llm'"),
+    ("smollm2-135m-trt-int8", "build.tensorrt_llm.tp=2", "build.tensorrt_llm: read only by build.target 'tensorrt_llm'"),
+    ("smollm2-135m-trtllm-tp3", "build.tensorrt.gpu_sm=90", "build.tensorrt: read only by build.target 'tensorrt'"),
+    ("smollm2-135m-trt-int8", "quantize.alpha=0.3", "did you mean 'quantize.options.smoothquant_alpha'?"),
+    ("smollm2-135m-trtllm-tp3", "quantize.options.smoothquant_alpha=0.3", "quantize.options.smoothquant_alpha: "
+     "build.target 'tensorrt_llm' reads this as quantize.alpha (one spelling per option); did you mean 'quantize.alpha'?"),
+])
+def test_one_target_one_section_one_spelling(recipe_name, item, expect, capsys, monkeypatch):
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", recipe_name, "--set", item)
+    assert code == 2 and expect in out, out
+
+
+def test_inherited_sections_of_another_target_are_not_refused(capsys, monkeypatch):
+    """smollm2-135m-trt-int8 extends the onnxruntime int8 recipe (its build.onnxruntime section): that recipe set
+    it for its own target, so the tensorrt recipe still resolves."""
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", "smollm2-135m-trt-int8")
+    assert code == 0, out

@@ -185,3 +185,42 @@ def test_a_lock_taken_during_the_build_only_skips_recording(nightly_env, monkeyp
         p.kill()
         p.wait()
     assert len(warnings) == 1 and "locked" in warnings[0] and "history" not in report
+
+
+def test_history_reads_a_read_only_mount(tmp_path):
+    """`forge history` on a history whose directory and file cannot be written (a read-only mount, another
+    user's file) reads it: SQLite opened read-only, no WAL index created (issue 24). Root ignores file modes, so
+    as root the command runs as `nobody`."""
+    import os
+    import stat
+    import tempfile
+    d = Path(tempfile.mkdtemp(prefix="forge-ro-history-"))       # pytest's tmp_path is private to its owner
+    try:
+        db = d / "history.sqlite"
+        h = History(db)
+        h.record(make_run(recipe="ro-recipe", ppl=0.75))
+        h.close()                                                  # the last close removes -wal and -shm
+        assert sorted(p.name for p in d.iterdir()) == ["history.sqlite"]
+        db.chmod(0o444)
+        d.chmod(0o555)
+        cmd = [sys.executable, "-m", "pipeline.cli", "history", "--history", str(db), "--json"]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), HOME=str(d))
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=d, timeout=120)
+        assert p.returncode == 0, p.stderr
+        nights = json.loads(p.stdout)["ro-recipe"]
+        assert len(nights) == 1 and nights[0]["metrics"]["evaluate"]["ppl_delta_pct"] == 0.75
+        assert sorted(x.name for x in d.iterdir()) == ["history.sqlite"]     # nothing written beside it
+        assert stat.S_IMODE(db.stat().st_mode) == 0o444
+    finally:
+        d.chmod(0o755)
+        for f in d.iterdir():
+            f.unlink()
+        d.rmdir()
+
+
+def test_read_only_history_refuses_a_missing_file(tmp_path):
+    with pytest.raises(HistoryUnavailable, match="no run history at"):
+        History(tmp_path / "none.sqlite", read_only=True)
+    assert not (tmp_path / "none.sqlite").exists()

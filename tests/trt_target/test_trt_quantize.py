@@ -125,7 +125,7 @@ def test_weight_matmuls_are_the_linear_layers(tiny_export):
 
 def test_options_resolve_per_algo_and_name_bad_keys():
     assert resolve_options("int8", {}).exclude == ["*.mlp.down_proj"]
-    assert resolve_options("int8", {}, alpha=0.3).smoothquant_alpha == 0.3
+    assert resolve_options("int8", {"smoothquant_alpha": 0.3}).smoothquant_alpha == 0.3
     assert resolve_options("int8", {"smoothquant_alpha": None}).smoothquant_alpha is None
     assert resolve_options("fp8", {}).calibration_method == "max" and resolve_options("fp8", {}).smoothquant_alpha is None
     with pytest.raises(ForgeError, match=r"quantize.options.smoothquant_alpah: Extra inputs are not permitted"):

@@ -1,0 +1,61 @@
+"""The one place forge's rich consoles are made, so that no output depends on the terminal's width.
+
+- Not a terminal (a pipe, a file, a CI log): lines are never wrapped or cut, whatever COLUMNS says; a log is read
+  with `grep`, and a name cut at column 80 is not found.
+- A terminal: text wraps at the terminal's width as usual, but a table is printed at least as wide as its
+  ``no_wrap`` columns (declare names so: keys, paths, hardware classes such as ``cpu:x86_64-avx512vnni``) and the
+  longest word of each other column, so no name is cut or ellipsised; the terminal folds the long line instead,
+  leaving the name whole in the byte stream.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, ConsoleDimensions
+from rich.table import Table
+
+# "no limit" for a log: wide enough that no line forge writes reaches it; Rich pads nothing to this width
+# (tables are not expanded, no rules or panels), so it costs nothing.
+UNBOUNDED = 1 << 16
+
+
+class ForgeConsole(Console):
+    """A rich Console whose width is UNBOUNDED off a terminal and whose tables never cut a word on one."""
+
+    def __init__(self, **kwargs):
+        explicit = kwargs.get("width")
+        super().__init__(**kwargs)
+        if explicit is None:
+            self._width = None      # Rich freezes COLUMNS here; a terminal's width is read at each print instead
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        if self._width is None and not self.is_terminal:
+            return ConsoleDimensions(UNBOUNDED, super().size.height)
+        return super().size
+
+    @size.setter
+    def size(self, new_size) -> None:
+        self._width, self._height = new_size
+
+    def print(self, *objects, **kwargs) -> None:
+        need = max((self._table_min_width(o) for o in objects if isinstance(o, Table)), default=0)
+        if need <= self.width:
+            return super().print(*objects, **kwargs)
+        kept = self._width
+        self._width = need          # Console.print caps its width at self.width, so widen the console itself
+        try:
+            super().print(*objects, **kwargs)
+        finally:
+            self._width = kept
+
+    def _table_min_width(self, table: Table) -> int:
+        """The narrowest width that cuts no name: a no_wrap column (keys, paths, hardware) whole, every other column
+        its longest word. Rich shrinks only wrapping columns while the table is at least this wide."""
+        opts = self.options.update(max_width=UNBOUNDED)
+        widths = (table._measure_column(self, opts, c) for c in table.columns)
+        return table._extra_width + sum(m.maximum if c.no_wrap else m.minimum for m, c in zip(widths, table.columns))
+
+
+def make_console(*, stderr: bool = False, **kwargs) -> ForgeConsole:
+    """stdout (or stderr) console of every forge command; ``file=`` writes elsewhere (e.g. a report's text)."""
+    return ForgeConsole(stderr=stderr, **kwargs)

@@ -97,3 +97,19 @@ def test_the_cannot_run_hint_names_a_real_command():
         pytest.skip("tensorrt_llm and a GPU are present")
     cmds = {c.name for c in typer.main.get_command(app).commands.values()}
     assert "forge build <recipe> --from evaluate" in msg and "build" in cmds and "validate" not in cmds
+
+
+def test_gemma_sharing_is_not_attributed_to_gemmaconfig():
+    """Issue 27: TensorRT-LLM's GemmaConfig (tensorrt_llm/models/gemma/config.py, index id 397088162) forces
+    use_parallel_embedding = tp_size > 1 and has no share_embedding_table logic; the docs said it forced both."""
+    import inspect
+
+    from pipeline.trtllm import checkpoint, families
+
+    doc = " ".join(families.__doc__.split())
+    assert "forces ``use_parallel_embedding = tp_size > 1``" in doc and "sets nothing about sharing" in doc
+    assert "and a shared embedding table" not in doc
+    assert "GemmaConfig: always" not in inspect.getsource(checkpoint)
+    f = checkpoint._gemma3_fields({"query_pre_attn_scalar": 256, "rope_local_base_freq": 10000.0,
+                                   "sliding_window": 512, "sliding_window_pattern": 6}, 2)
+    assert f["share_embedding_table"] is True and f["use_parallel_embedding"] is True

@@ -148,6 +148,25 @@ class CheckpointEvaluate(EvaluateBase):
         return metrics
 
 
+def memory_problems(r, info, found=None) -> list[str]:
+    """Refuses, at plan, a recipe whose evaluation engine does not fit this machine's GPU (the memory plan counts
+    the runtime's buffers: docs/trtllm-memory.md). ``found``: pipeline.env.gpus() (tests pass their own)."""
+    from ..env import gpus
+    from ..gpus import match_nvml_name
+    from ..memory import plan_for_recipe
+    found = gpus() if found is None else found
+    spec = match_nvml_name(found[0]["name"] or "") if found else None
+    if spec is None:
+        return []           # no GPU here, or one the table does not know: `forge memory --gpu NAME` plans it
+    plan, [v] = plan_for_recipe(r, info, spec.name)
+    if plan.total_bytes <= v.capacity_bytes:
+        return []
+    fixes = "; ".join(f"--set {s.recipe_key}={s.value}" for s in v.suggestions if s.value is not None)
+    return [f"memory: one rank needs {plan.total_bytes / 2**30:.2f} GiB, this {spec.name} has "
+            f"{v.capacity_bytes / 2**30:.2f} GiB (runtime logits buffer {plan.logits_bytes / 2**30:.2f} GiB; "
+            f"`forge memory {r.name} --gpu {spec.name}` shows every part)" + (f"; would fit with {fixes}" if fixes else "")]
+
+
 class TrtllmBuildStage(OnTrtllmGpu, Stage):
     """trtllm-build per rank with plugins, timing cache from/to the cache."""
     name = "build"
@@ -167,7 +186,8 @@ class TrtllmBuildStage(OnTrtllmGpu, Stage):
         if info is None:
             return []
         return validate_build(r.build.tensorrt_llm.model_dump(), r.quantize.model_dump(), info,
-                              r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump())
+                              r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump()) \
+            + memory_problems(r, info)
 
     def run(self, ctx: StageContext) -> dict:
         from ..trtllm.build import build_engine

@@ -102,3 +102,16 @@ def test_sources_are_cited_by_upstream_commit_and_in_the_doc():
                    "batchNumTokens + reqNumTokens > maxNumTokensRuntime.value()",
                    "(mVocabSize + worldSize - 1) / worldSize * worldSize"):
         assert quoted in doc
+
+
+def test_build_plan_refuses_a_recipe_that_does_not_fit_this_machines_gpu(plans):
+    """Before any GPU work: the build stage's plan problems include the memory verdict for the GPU found here."""
+    from pipeline.stages.tensorrt_llm import memory_problems
+
+    r, (plan, _) = plans["qwen7b-fp16"]
+    [p] = memory_problems(r, plan._info, [{"index": 0, "name": "NVIDIA GeForce RTX 4090", "sm": 89}])
+    assert p.startswith("memory: one rank needs") and "rtx4090" in p and "2.32 GiB" in p
+    assert "--set build.tensorrt_llm.max_num_tokens=" in p
+    assert memory_problems(r, plan._info, [{"index": 0, "name": "NVIDIA H100 80GB HBM3", "sm": 90}]) == []
+    assert memory_problems(r, plan._info, []) == []                       # no GPU: nothing to refuse here
+    assert memory_problems(r, plan._info, [{"index": 0, "name": "Tesla T4", "sm": 75}]) == []   # unknown GPU

@@ -12,10 +12,13 @@ Per rank (the worst pipeline stage):
   scales, AWQ group scales and pre-quant smoothing vectors).
 * KV cache = layers x kv_heads x head_dim x 2 (K and V) x tokens x bytes(kv dtype), for
   ``max_batch_size x max_seq_len`` tokens, and rounded up to whole paged blocks of ``tokens_per_block``.
-* activations / workspace: one layer's live tensors for ``max_num_tokens`` packed tokens plus the fp32
-  logits of the last position of each sequence, plus a fixed runtime overhead (CUDA context, cuBLAS
-  workspace, NCCL buffers when tp > 1). This is an estimate; TensorRT reports the exact activation size
-  only after building the engine.
+* activations / workspace: one layer's live tensors for ``max_num_tokens`` packed tokens, plus a fixed
+  runtime overhead (CUDA context, cuBLAS workspace, NCCL buffers when tp > 1). This is an estimate; TensorRT
+  reports the exact activation size only after building the engine.
+* runtime buffers the batch manager allocates that scale with the model (:func:`runtime_buffers`, each with
+  its TensorRT-LLM source line; docs/trtllm-memory.md): the logits buffer, ``[max_num_tokens,
+  vocabSizePadded]`` of ``logits_dtype`` when the engine gathers context logits, ``[max_batch_size x
+  max_beam_width, vocabSizePadded]`` when it does not.
 
 ``fit(plan, gpu)`` compares the total with a GPU from :mod:`pipeline.gpus` and, when it does not fit,
 says which ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens`` / ``kv_cache`` dtype / ``tp`` /
@@ -61,11 +64,58 @@ RECIPE_KEYS = {
     "dtype": "build.tensorrt_llm.dtype",
     "quant_algo": "quantize.algo",
     "group_size": "quantize.block_size",
+    "gather_context_logits": "build.tensorrt_llm.gather_context_logits",
+    "logits_dtype": "build.tensorrt_llm.logits_dtype",
+    "max_beam_width": "build.tensorrt_llm.max_beam_width",
 }
 
 DEFAULT_MAX_NUM_TOKENS = 8192          # trtllm-build's default
 DEFAULT_RUNTIME_OVERHEAD = 1 * GiB     # CUDA context + cuBLAS/cuBLASLt workspaces (measured 0.5-1 GiB)
 NCCL_OVERHEAD = GiB // 4               # NCCL buffers / all-reduce workspace per rank when tp > 1
+LOGITS_BYTES = {"float16": 2, "float32": 4}
+
+# TensorRT-LLM source the runtime-buffer sizes are read from (the 1.x batch manager; the index returned these
+# commits, the 1.2.1 tag's commit could not be resolved: shared/docs/trtllm-reference.md section 0). One home:
+# docs/trtllm-memory.md quotes the lines, tests/memory/test_runtime_buffers.py recomputes from them.
+TRTLLM_SOURCES = {
+    "runtimeBuffers": ("cpp/tensorrt_llm/batch_manager/runtimeBuffers.cpp",
+                       "092a5a15d8047f16efd1aeb872cac21bb441188c"),
+    "microBatchScheduler": ("cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp",
+                            "0a949d3128bfaf4ddedefb0259125622a9ec830f"),
+    "modelConfig": ("cpp/include/tensorrt_llm/runtime/modelConfig.h", "index id 2582916338"),
+}
+
+
+def vocab_size_padded(vocab: int, world_size: int) -> int:
+    """``ModelConfig::getVocabSizePadded(worldSize)``: ``(vocab + worldSize - 1) / worldSize * worldSize``."""
+    return (vocab + world_size - 1) // world_size * world_size
+
+
+def runtime_buffers(info: ModelInfo, *, tp: int, pp: int, max_batch_size: int, max_beam_width: int,
+                    max_num_tokens: int, gather_context_logits: bool, logits_dtype: str) -> list[dict]:
+    """The batch manager's buffers that scale with the model, on the rank that holds them (the last pipeline
+    rank for logits), each with the source line its size comes from."""
+    if logits_dtype not in LOGITS_BYTES:
+        raise ForgeError(f"unknown logits_dtype {logits_dtype!r} (recipe key build.tensorrt_llm.logits_dtype): "
+                         f"valid values are float16, float32")
+    vp = vocab_size_padded(info.vocab_size, tp * pp)
+    lb = LOGITS_BYTES[logits_dtype]
+    if gather_context_logits:
+        # RuntimeBuffers::reshape re-allocates `logits` as [numContextTokens + numGenSequences, vocabSizePadded]
+        # when computeContextLogits(); the MicroBatchScheduler keeps batchNumTokens (context chunk tokens +
+        # generation tokens) <= maxNumTokens, so max_num_tokens rows is the largest it gets.
+        rows, shape = max_num_tokens, "[max_num_tokens, vocabSizePadded]"
+        src = ("runtimeBuffers.cpp RuntimeBuffers::reshape: logits = manager.gpu(ITensor::makeShape("
+               "{numContextTokens + numGenSequences, vocabSizePadded}), logitsType); microBatchScheduler.cpp: "
+               "batchNumTokens + reqNumTokens > maxNumTokensRuntime -> break")
+    else:
+        # RuntimeBuffers::setMaxBufferSizes: numLogits = maxBatchSize * max(1 + maxDraftTokens, maxBeamWidth)
+        rows, shape = max_batch_size * max_beam_width, "[max_batch_size x max_beam_width, vocabSizePadded]"
+        src = ("runtimeBuffers.cpp RuntimeBuffers::setMaxBufferSizes: numLogits = maxBatchSize * "
+               "std::max(1 + maxDraftTokens, maxBeamWidth); reshape: logits->reshape({numLogits, vocabSizePadded})")
+    return [{"name": "logits" + (" (context, gathered)" if gather_context_logits else " (last token)"),
+             "shape": shape, "rows": rows, "vocab_size_padded": vp, "dtype": logits_dtype,
+             "bytes": rows * vp * lb, "source": src}]
 
 
 @dataclass
@@ -82,10 +132,11 @@ class MemoryPlan:
     kv_blocks: int
     kv_cache_paged_bytes: int               # whole blocks of tokens_per_block
     activation_bytes: int
-    logits_bytes: int
+    logits_bytes: int                       # sum of runtime_buffers (the logits buffer)
     runtime_bytes: int
     total_bytes: int
     notes: list[str] = field(default_factory=list)
+    runtime_buffers: list[dict] = field(default_factory=list)
     _info: ModelInfo | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -171,7 +222,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                 dtype: str = "float16", tp: int = 1, pp: int = 1, max_batch_size: int = 8,
                 max_seq_len: int = 4096, max_num_tokens: int | None = None, tokens_per_block: int = 32,
                 group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD,
-                parallel_embedding: bool = False) -> MemoryPlan:
+                parallel_embedding: bool = False, gather_context_logits: bool = False,
+                logits_dtype: str = "float32", max_beam_width: int = 1) -> MemoryPlan:
     """Bytes one rank needs; see the module docstring for what is counted."""
     quant = _norm_quant(quant_algo)
     if dtype not in DTYPE_BYTES:
@@ -184,7 +236,7 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                          f"valid values are fp16, bf16, fp32, int8, fp8")
     kvb = KV_BYTES[kv_name]
     for k, v in (("tp", tp), ("pp", pp), ("max_batch_size", max_batch_size), ("max_seq_len", max_seq_len),
-                 ("tokens_per_block", tokens_per_block)):
+                 ("tokens_per_block", tokens_per_block), ("max_beam_width", max_beam_width)):
         if int(v) < 1:
             raise ForgeError(f"{k} must be >= 1 (recipe key {RECIPE_KEYS.get(k, k)}), got {v}")
     if info.num_heads % tp:
@@ -260,7 +312,10 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
 
     per_token_act = (2 * h + (q_heads + 2 * kvr) * hd + q_heads * hd + 3 * i_r) * act
     activation = per_token_act * max_num_tokens
-    logits = max_batch_size * math.ceil(info.vocab_size / tp) * 4
+    buffers = runtime_buffers(info, tp=tp, pp=pp, max_batch_size=max_batch_size, max_beam_width=max_beam_width,
+                              max_num_tokens=max_num_tokens, gather_context_logits=gather_context_logits,
+                              logits_dtype=logits_dtype)
+    logits = sum(b["bytes"] for b in buffers)
     runtime = runtime_overhead + (NCCL_OVERHEAD if tp > 1 else 0)
     total = weights_bytes + kv_paged + activation + logits + runtime
 
@@ -277,6 +332,11 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                      f"it): {math.ceil(info.vocab_size / tp)} rows each")
     if info.tie_word_embeddings:
         notes.append("tied embeddings: the engine stores lm_head separately from the embedding table")
+    if gather_context_logits:
+        notes.append(f"the engine gathers context logits (--gather_context_logits): the runtime's logits buffer is "
+                     f"{max_num_tokens} x {buffers[0]['vocab_size_padded']} {logits_dtype} = "
+                     f"{logits / GiB:.2f} GiB; the deploy engine, built without it, needs "
+                     f"{max_batch_size * max_beam_width} rows")
     if mnt_default:
         notes.append(f"max_num_tokens not set: using min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size x max_seq_len)"
                      f" = {max_num_tokens}")
@@ -285,7 +345,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     args = dict(quant_algo=quant, kv_cache=kv_name, dtype=dtype, tp=tp, pp=pp, max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len, max_num_tokens=None if mnt_default else max_num_tokens,
                 tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead,
-                parallel_embedding=parallel_embedding)
+                parallel_embedding=parallel_embedding, gather_context_logits=gather_context_logits,
+                logits_dtype=logits_dtype, max_beam_width=max_beam_width)
     model = {"architecture": info.architecture, "num_layers": info.num_layers, "hidden_size": h,
              "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads, "head_dim": hd,
              "intermediate_size": i_sz, "vocab_size": info.vocab_size, "num_params": info.num_params,
@@ -294,7 +355,7 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                       weights_bytes=weights_bytes, kv_bytes_per_token=kv_per_token, kv_cache_bytes=kv_contig,
                       kv_block_bytes=kv_block_bytes, kv_blocks=kv_blocks, kv_cache_paged_bytes=kv_paged,
                       activation_bytes=activation, logits_bytes=logits, runtime_bytes=runtime, total_bytes=total,
-                      notes=notes, _info=info)
+                      notes=notes, runtime_buffers=buffers, _info=info)
 
 
 def _replan(plan: MemoryPlan, **changes) -> MemoryPlan | None:
@@ -364,7 +425,7 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
                                        ("halves the KV cache" if ok else "halves the KV cache, not enough alone")
                                        + ("" if gpu.has_fp8 else f" ({gpu.name} has no FP8)")))
         mnt_used = plan.model["max_num_tokens_used"]
-        if plan.activation_bytes > 0.02 * cap:
+        if plan.activation_bytes + (plan.logits_bytes if a["gather_context_logits"] else 0) > 0.02 * cap:
             n = _largest(1, mnt_used // 256, lambda k: fits_with(max_num_tokens=k * 256) is not None)
             if n and n * 256 < mnt_used:
                 p = fits_with(max_num_tokens=n * 256)
@@ -440,8 +501,9 @@ def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[Me
     plan = plan_memory(info, quant_algo=algo, kv_cache=q.kv_cache, dtype=b.dtype, tp=b.tp, pp=b.pp,
                        max_batch_size=b.max_batch_size, max_seq_len=b.max_seq_len, max_num_tokens=b.max_num_tokens,
                        tokens_per_block=b.tokens_per_block if b.kv_cache_type == "paged" else 1,
-                       group_size=q.block_size or 128,
-                       parallel_embedding=True)   # what forge's checkpoint stage writes (module docstring)
+                       group_size=q.block_size or 128, max_beam_width=b.max_beam_width,
+                       parallel_embedding=True,   # what forge's checkpoint stage writes (module docstring)
+                       gather_context_logits=b.gather_context_logits, logits_dtype=b.logits_dtype)
     gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
     return plan, [fit(plan, g) for g in gpus]
 
@@ -473,7 +535,9 @@ def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None
               f"{plan.kv_cache_paged_bytes:,}", f"{plan.kv_cache_paged_bytes / GiB:.2f}")
     t.add_row(f"activations (estimate, {plan.model['max_num_tokens_used']} tokens)", a["dtype"],
               f"{plan.activation_bytes:,}", f"{plan.activation_bytes / GiB:.2f}")
-    t.add_row("logits (last position, fp32)", "fp32", f"{plan.logits_bytes:,}", f"{plan.logits_bytes / GiB:.2f}")
+    for rb in plan.runtime_buffers:
+        t.add_row(f"runtime buffer: {rb['name']} {rb['shape']}", rb["dtype"], f"{rb['bytes']:,}",
+                  f"{rb['bytes'] / GiB:.2f}")
     t.add_row("runtime (CUDA context, cuBLAS, NCCL)", "", f"{plan.runtime_bytes:,}",
               f"{plan.runtime_bytes / GiB:.2f}")
     t.add_row("[bold]total per rank", "", f"{plan.total_bytes:,}", f"[bold]{plan.total_bytes / GiB:.2f}")

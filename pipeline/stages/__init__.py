@@ -13,10 +13,10 @@ def flow_for(target: str) -> list[Stage]:
     if target == "onnxruntime":
         classes = [SourceStage, OrtExport, OrtQuantize, OrtBuildStage, OrtEvaluate, ValidateStage, OrtPackage]
     elif target == "tensorrt_llm":
-        from .tensorrt_llm import (CheckpointEvaluate, ModeloptQuantize, TrtllmBuildStage, TrtllmCheckpoint,
-                                   TrtllmEvaluate, TrtllmPackage)
+        from .tensorrt_llm import (CheckpointEvaluate, ModeloptQuantize, TrtllmBuildDeploy, TrtllmBuildStage,
+                                   TrtllmCheckpoint, TrtllmEvaluate, TrtllmPackage)
         classes = [SourceStage, ModeloptQuantize, TrtllmCheckpoint, CheckpointEvaluate, ValidateCheckpointStage,
-                   TrtllmBuildStage, TrtllmEvaluate, ValidateStage, TrtllmPackage]
+                   TrtllmBuildStage, TrtllmEvaluate, ValidateStage, TrtllmBuildDeploy, TrtllmPackage]
     elif target == "tensorrt":
         from .tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
         classes = [SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage]

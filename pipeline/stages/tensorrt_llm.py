@@ -148,6 +148,25 @@ class CheckpointEvaluate(EvaluateBase):
         return metrics
 
 
+def memory_problems(r, info, found=None) -> list[str]:
+    """Refuses, at plan, a recipe whose evaluation engine does not fit this machine's GPU (the memory plan counts
+    the runtime's buffers: docs/trtllm-memory.md). ``found``: pipeline.env.gpus() (tests pass their own)."""
+    from ..env import gpus
+    from ..gpus import match_nvml_name
+    from ..memory import plan_for_recipe
+    found = gpus() if found is None else found
+    spec = match_nvml_name(found[0]["name"] or "") if found else None
+    if spec is None:
+        return []           # no GPU here, or one the table does not know: `forge memory --gpu NAME` plans it
+    plan, [v] = plan_for_recipe(r, info, spec.name)
+    if plan.total_bytes <= v.capacity_bytes:
+        return []
+    fixes = "; ".join(f"--set {s.recipe_key}={s.value}" for s in v.suggestions if s.value is not None)
+    return [f"memory: one rank needs {plan.total_bytes / 2**30:.2f} GiB, this {spec.name} has "
+            f"{v.capacity_bytes / 2**30:.2f} GiB (runtime logits buffer {plan.logits_bytes / 2**30:.2f} GiB; "
+            f"`forge memory {r.name} --gpu {spec.name}` shows every part)" + (f"; would fit with {fixes}" if fixes else "")]
+
+
 class TrtllmBuildStage(OnTrtllmGpu, Stage):
     """trtllm-build per rank with plugins, timing cache from/to the cache."""
     name = "build"
@@ -167,7 +186,8 @@ class TrtllmBuildStage(OnTrtllmGpu, Stage):
         if info is None:
             return []
         return validate_build(r.build.tensorrt_llm.model_dump(), r.quantize.model_dump(), info,
-                              r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump())
+                              r.build.tensorrt_llm.gpu_sm or gpu_sm(), triton=r.package.triton.model_dump()) \
+            + memory_problems(r, info)
 
     def run(self, ctx: StageContext) -> dict:
         from ..trtllm.build import build_engine
@@ -181,6 +201,40 @@ class TrtllmBuildStage(OnTrtllmGpu, Stage):
         if metrics.get("timing_cache_out"):
             atomic_copy(metrics["timing_cache_out"], tc_in)
         return metrics
+
+
+AGREE_PROMPTS, AGREE_PROMPT_TOKENS, AGREE_NEW_TOKENS = 4, 64, 32    # deploy-vs-evaluation engine check
+
+
+def deploy_build_section(r) -> dict:
+    """The deploy engine's build section: the recipe's, without the evaluation buffer (issue 27). The runtime
+    allocates [max_num_tokens, vocabSizePadded] logits for an engine that gathers context logits
+    (docs/trtllm-memory.md) and turns KV-cache reuse off for it; the served engine needs neither."""
+    return r.build.tensorrt_llm.model_dump() | {"gather_context_logits": False}
+
+
+class TrtllmBuildDeploy(TrtllmBuildStage):
+    """The engine Triton serves: the same checkpoint and trtllm-build arguments as ``build`` except
+    ``--gather_context_logits`` (validate runs on ``build``, which returns context logits)."""
+    name = "build_deploy"
+    version = "1"
+
+    def config(self, r):
+        return deploy_build_section(r)
+
+    def finish_hint(self, r):
+        return f"forge build {r.name} --from build_deploy  (on a GPU machine with tensorrt_llm 1.2.x, sharing FORGE_CACHE)"
+
+    def plan_problems(self, r, info):
+        return []        # the same section as build's, less one flag: build's plan_problems cover it
+
+    def run(self, ctx: StageContext) -> dict:
+        from ..trtllm.build import build_engine
+        from ..trtllm.build_config import trtllm_build_args
+        tc_in = ctx.home / "timing_cache" / target_sm(ctx.recipe) / "trtllm.timing.cache"
+        args = trtllm_build_args(deploy_build_section(ctx.recipe), ctx.inputs["checkpoint"], ctx.out,
+                                 tc_in if tc_in.exists() else None, None)
+        return build_engine(ctx.inputs["checkpoint"], ctx.out, args, tc_in if tc_in.exists() else None)
 
 
 class EngineCandidate:
@@ -219,19 +273,37 @@ class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
 
 class TrtllmPackage(OnTrtllmGpu, PackageStage):
     """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
-    version = "4"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3)
+    version = "5"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3); 5: packages the deploy engine (build_deploy), manifest records both engines
     tools = TRTLLM_TOOLS
+    needs = ("build_deploy", "build", "validate", "evaluate", "source")
+
+    def output_bytes(self, r, info, inputs):
+        return (payload_bytes(inputs["build_deploy"]) + payload_bytes(inputs["source"])
+                if "build_deploy" in inputs else None)
 
     def gpus(self, r):
         return 1     # writes the repository from the built engine: one GPU of its architecture, not the ranks
 
     def plan_problems(self, r, info):
         from ..triton.repo_trtllm import check_triton_vs_engine
-        return check_triton_vs_engine(r.package.triton.model_dump(), r.build.tensorrt_llm.model_dump())
+        return check_triton_vs_engine(r.package.triton.model_dump(), deploy_build_section(r))
 
     def write_repository(self, ctx, evaluation):
+        from ..trtllm.agreement import engines_record, greedy_agreement, greedy_tokens
         from ..triton.repo_trtllm import write_trtllm_repo
-        engine_cfg = json.loads((ctx.inputs["build"] / "config.json").read_text())
-        res = write_trtllm_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
+        engine_cfg = json.loads((ctx.inputs["build_deploy"] / "config.json").read_text())
+        eval_cfg = json.loads((ctx.inputs["build"] / "config.json").read_text())
+        engines = engines_record(eval_cfg, engine_cfg)
+        # The served engine is held to the validated one: greedy tokens of both on the first eval windows' starts.
+        e = ctx.recipe.validate_.eval[0]
+        prompts = [w[:AGREE_PROMPT_TOKENS].tolist() for w in windows(ctx, e.set, e.split, e.samples, e.seq_len,
+                                                                     e.seed)[:AGREE_PROMPTS]]
+        engines["greedy_agreement"] = greedy_agreement(
+            greedy_tokens(ctx.inputs["build"], prompts, AGREE_NEW_TOKENS),
+            greedy_tokens(ctx.inputs["build_deploy"], prompts, AGREE_NEW_TOKENS),
+            ctx.recipe.validate_.thresholds.top1_agreement_min)
+        res = write_trtllm_repo(ctx.out, engine_dir=ctx.inputs["build_deploy"],
+                                tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                 engine_config=engine_cfg, triton=ctx.recipe.package.triton.model_dump())
-        return res, target_sm(ctx.recipe), engine_cfg.get("build_config", {})
+        record = engine_cfg.get("build_config", {}) | {"engines": engines}
+        return res, target_sm(ctx.recipe), record

@@ -66,7 +66,7 @@ def _gemma3_fields(hf_cfg: dict, tp: int) -> dict:
             "rope_local_base_freq": float(local),
             "sliding_window": hf_cfg.get("sliding_window"),
             "inter_layernorms": True,
-            "share_embedding_table": True,           # GemmaConfig: always
+            "share_embedding_table": True,           # forge's choice: GemmaConfig sets no sharing
             "use_parallel_embedding": tp > 1,        # GemmaConfig: tp_size > 1, whatever the checkpoint says
             "embedding_sharding_dim": 0}
 

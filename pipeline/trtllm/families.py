@@ -34,8 +34,10 @@ without a resolvable commit are cited by their index id, as in shared/docs/trtll
   scales the embedding by ``sqrt(hidden_size)`` (cast to the model dtype). TensorRT-LLM's ``RmsNorm`` is
   ``x * w``; Gemma's is ``x * (1 + w)``: ModelOpt's ``build_layernorm_config`` writes ``w + 1``
   (``_weights_plus_one`` for ``Gemma3RMSNorm``). The window itself, like Mistral's, is enforced by the runtime's
-  per-layer ``max_attention_window_size``. ``GemmaConfig`` forces ``use_parallel_embedding = tp_size > 1`` and a
-  shared embedding table.
+  per-layer ``max_attention_window_size``. ``GemmaConfig.__init__`` forces ``use_parallel_embedding = tp_size >
+  1`` (a passed value is logged and ignored) and sets nothing about sharing: it has no ``share_embedding_table``
+  logic (checked against that file, issue 27). Sharing is forge's own ``share_embedding_table: true``
+  (checkpoint.py); contract.py accepts a checkpoint without ``lm_head`` only then, and with pp 1.
 * GeGLU: TensorRT-LLM's ``gelu`` is the tanh approximation (``tensorrt_llm/functional.py``, index id 720191209),
   the same as HF's ``gelu_pytorch_tanh``.
 """

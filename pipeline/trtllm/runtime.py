@@ -54,7 +54,8 @@ def _require():
     import importlib.util
     if importlib.util.find_spec("tensorrt_llm") is None or not torch.cuda.is_available():
         raise CannotRunHere("tensorrt_llm and an NVIDIA GPU",
-                            "forge validate <recipe> on a GPU machine with tensorrt-llm 1.2.x installed")
+                            "forge build <recipe> --from evaluate on a GPU machine with tensorrt-llm 1.2.x installed "
+                            "(sharing FORGE_CACHE)")
 
 
 def mapping(engine_dir: str | Path) -> dict:

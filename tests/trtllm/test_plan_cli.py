@@ -37,17 +37,19 @@ def test_plan_marks_gpu_stages_cannot_run_here():
     assert "tensorrt_llm" in stages["build"]["reason"]
 
 
-def test_kv_cache_reuse_with_context_logits_is_refused_at_plan():
-    """TensorRT-LLM silently turns reuse off for an engine built with gather_context_logits; plan says so first."""
-    p = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true")
+def test_kv_cache_reuse_is_checked_against_the_deploy_engine_at_plan():
+    """TensorRT-LLM silently turns reuse off for an engine built with gather_context_logits. Since issue 27 the
+    packaged engine is build_deploy's, built without it: reuse plans with the recipe's gather_context_logits true
+    (check_triton_vs_engine still refuses it for a gathering engine: tests/trtllm/test_two_engines.py), and the
+    other rule, paged context FMHA, is still enforced at plan."""
+    ok = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "enable_kv_cache_reuse" not in ok.stdout + ok.stderr
+    p = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true",
+              "--set", "build.tensorrt_llm.use_paged_context_fmha=false")
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 2, out
-    assert "package.triton.enable_kv_cache_reuse: true, but the engine is built with " \
-           "build.tensorrt_llm.gather_context_logits: true" in out
-    # without context logits in the engine the same reuse setting plans
-    ok = forge("plan", "smollm2-135m-trtllm-tp3", "--set", "package.triton.enable_kv_cache_reuse=true",
-               "--set", "build.tensorrt_llm.gather_context_logits=false")
-    assert "enable_kv_cache_reuse" not in ok.stdout + ok.stderr
+    assert "package.triton.enable_kv_cache_reuse: true needs an engine built with paged context FMHA" in out
 
 
 def test_kv_cache_fraction_of_one_is_a_recipe_error():

@@ -270,6 +270,8 @@ def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, 
     by_name = {x.name: x for x in results}
     if "build" in by_name:
         _write_safely(lambda: _link(out / "engine", by_name["build"].payload))
+    if "build_deploy" in by_name:     # tensorrt_llm: the engine without context logits, the one packaged
+        _write_safely(lambda: _link(out / "engine_deploy", by_name["build_deploy"].payload))
     if "package" in by_name:
         _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
     statuses[r.name] = overall_status(results)

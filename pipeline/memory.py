@@ -430,7 +430,8 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
             if n and n * 256 < mnt_used:
                 p = fits_with(max_num_tokens=n * 256)
                 sugg.append(Suggestion("max_num_tokens", n * 256, p.total_bytes,
-                                       "fewer packed tokens per step: smaller activation buffers, slower prefill"))
+                                       "fewer packed tokens per step: smaller activation (and gathered "
+                                       "context-logits) buffers, slower prefill"))
         for t in (2, 4, 8):
             if a["tp"] < t <= max_tp:
                 p = fits_with(tp=t)

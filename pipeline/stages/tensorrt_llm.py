@@ -164,7 +164,8 @@ def memory_problems(r, info, found=None) -> list[str]:
     fixes = "; ".join(f"--set {s.recipe_key}={s.value}" for s in v.suggestions if s.value is not None)
     return [f"memory: one rank needs {plan.total_bytes / 2**30:.2f} GiB, this {spec.name} has "
             f"{v.capacity_bytes / 2**30:.2f} GiB (runtime logits buffer {plan.logits_bytes / 2**30:.2f} GiB; "
-            f"`forge memory {r.name} --gpu {spec.name}` shows every part)" + (f"; would fit with {fixes}" if fixes else "")]
+            f"`forge memory {r.name} --gpu {spec.name}` shows every part)"
+            + (f"; would fit with {fixes}" if fixes else "")]
 
 
 class TrtllmBuildStage(OnTrtllmGpu, Stage):
@@ -223,7 +224,8 @@ class TrtllmBuildDeploy(TrtllmBuildStage):
         return deploy_build_section(r)
 
     def finish_hint(self, r):
-        return f"forge build {r.name} --from build_deploy  (on a GPU machine with tensorrt_llm 1.2.x, sharing FORGE_CACHE)"
+        return (f"forge build {r.name} --from build_deploy  (on a GPU machine with tensorrt_llm 1.2.x, "
+                f"sharing FORGE_CACHE)")
 
     def plan_problems(self, r, info):
         return []        # the same section as build's, less one flag: build's plan_problems cover it

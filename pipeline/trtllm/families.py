@@ -18,8 +18,11 @@ without a resolvable commit are cited by their index id, as in shared/docs/trtll
   (PretrainedConfig keeps unknown keys as attributes, "Implicitly setting ...") for the reference, the
   Triton repository and the evaluate runtime to read (:func:`attention_windows` turns it into the per-layer list).
 * Qwen3: ``QWenConfig.from_hugging_face`` sets ``attn_bias = False`` for qwen3/qwen3_moe (index id 14645444);
-  ``QWenDecoderLayer`` builds ``Attention(qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe'))`` (index id
-  54584513530), and the converter writes HF ``self_attn.q_norm`` / ``k_norm`` as
+  ``QWenDecoderLayer`` builds ``Attention(qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe'),
+  layernorm_type=RmsNorm)``. Caveat (issue 27): index id 54584513530, the only copy of that file the index returns
+  with Qwen3, is a FORK of ``tensorrt_llm/models/qwen/model.py`` (it carries local plugins,
+  ``TRTLLM_QWEN_RMS_SCALE_SWIGLU_PLUGIN``), not upstream; the upstream file the index holds (@ 14e801da) predates
+  Qwen3 support (merged upstream 2025-07), so the upstream line is still to be cited. And the converter writes HF ``self_attn.q_norm`` / ``k_norm`` as
   ``attention.q_layernorm.weight`` / ``attention.k_layernorm.weight`` (``tensorrt_llm/models/qwen/convert.py``,
   index id 1134239761). The q/k norm is an RMSNorm over ``head_size``, applied per head before RoPE.
 * Gemma 3: ``GemmaConfig`` (``tensorrt_llm/models/gemma/config.py``, index id 397088162) with

@@ -123,3 +123,21 @@ def test_tp2_engine_one_mpirun_for_the_session(tmp_path):
     assert worker.proc.returncode == 0
     assert torch.equal(got[0], got[2])
     assert compare_logits(ref, got[0][..., :ref.shape[-1]], ids)["top1_agreement"] >= 0.99
+
+
+def test_deploy_engine_agrees_with_the_evaluation_engine(tmp_path):
+    """Issue 27: one checkpoint, two engines that differ only in --gather_context_logits; the deploy engine's greedy
+    tokens equal the evaluation engine's, and engines_record accepts the pair."""
+    import json
+
+    from pipeline.trtllm.agreement import engines_record, greedy_agreement, greedy_tokens
+    fp32 = tiny_llama(tmp_path / "hf")
+    _, ev = _engine(copy.deepcopy(fp32), tmp_path / "hf", tmp_path, {"algo": "none"})
+    _, de = _engine(copy.deepcopy(fp32), tmp_path / "hf", tmp_path, {"algo": "none"},
+                    build=BUILD | {"gather_context_logits": False}, name="engine-deploy")
+    rec = engines_record(json.loads((ev / "config.json").read_text()), json.loads((de / "config.json").read_text()))
+    assert list(rec["differ_in"].values()) == [[True, False]]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, fp32.config.vocab_size, (24,), generator=g).tolist() for _ in range(3)]
+    res = greedy_agreement(greedy_tokens(ev, prompts, 16), greedy_tokens(de, prompts, 16), 1.0)
+    assert res["agreement"] == 1.0 and res["positions"] == 48

@@ -293,6 +293,8 @@ HOSTILE_CASES = {
     "soft_hyphen_in_key": ("validate:\n  thresh\u00adolds: {top1_agreement_min: 0.5}\n", ["r.yaml", "U+00AD", "line 3"]),
     "line_separator": ("description: a\u2028b\n", ["r.yaml", "U+2028", "key 'description'"]),
     "bom_in_the_middle": ("description: a\ufeffb\n", ["r.yaml", "U+FEFF", "key 'description'"]),
+    "noncharacter": ("description: a\ufffeb\n", ["r.yaml", "character U+FFFE at line 2 (key 'description'): YAML "
+                                                "does not allow it"]),
     "latin1_bytes": (b"description: caf\xe9\n", ["r.yaml", "not UTF-8 text (byte 0xe9 at offset 16, line 1, key 'description')"]),
     "utf16_file": ("description: x\n".encode("utf-16"), ["r.yaml", "binary file"]),
     "python_tag": ("!x: !!python/object/apply:os.system ['true']\n", ["r.yaml", "python/object/apply:os.system"]),

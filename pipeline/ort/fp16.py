@@ -80,8 +80,9 @@ def fuse_rms_norms(om) -> int:
     The residual ``Add`` before each norm is NOT fused into ``SkipSimplifiedLayerNormalization``: that CUDA kernel
     sums x^2 in the input type unless ``enable_skip_layer_norm_strict_mode`` is on
     (onnxruntime/contrib_ops/cuda/bert/skip_layer_norm_impl.cu, ``cub::KeyValuePair<T, T>``,
-    microsoft/onnxruntime@02ce7d40), which overflows fp16 on the attention-sink token; pipeline.ort.engine turns
-    ORT's own fusion of it off on CUDA. Returns the number of norms fused."""
+    microsoft/onnxruntime@02ce7d40), which overflows fp16 on the attention-sink token. ORT's session-time
+    SkipLayerNormFusion never makes it from SimplifiedLayerNormalization (it matches LayerNormalization only; see
+    pipeline.ort.engine.inference_session). Returns the number of norms fused."""
     from onnxruntime.transformers.fusion_simplified_layernorm import FusionSimplifiedLayerNormalization
 
     FusionSimplifiedLayerNormalization(om).apply()

@@ -27,8 +27,8 @@ def cuda_missing(r) -> str | None:
 
 def cuda_finish_hint(r, stage: str) -> str:
     return (f"FORGE_CACHE=<this cache> forge build {r.name} --from {stage}  (on a machine with an NVIDIA GPU and "
-            "onnxruntime-gpu whose CUDA libraries are on LD_LIBRARY_PATH; `forge doctor` says what it finds; "
-            "scripts/gpu_ort_run.py does it all)")
+            "onnxruntime-gpu: `make setup` there installs it, or `python -m pipeline.gpu_setup install`; "
+            "`forge doctor` says what it finds)")
 
 
 def cuda_tools(comps: dict) -> dict:

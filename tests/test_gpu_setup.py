@@ -1,0 +1,135 @@
+"""pipeline.gpu_setup (issue 26): a GPU found through NVML / nvidia-smi turns into the pip steps that put
+onnxruntime-gpu in place of the CPU wheel; no GPU changes nothing. Probes and pip are faked: no GPU, no network."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import gpu_setup as gs
+
+ROOT = Path(__file__).resolve().parents[1]
+H200 = {"via": "NVML", "gpus": ["NVIDIA H200"], "driver": "580.159.04", "cuda_driver": "13.0"}
+NONE_NVML = {"via": "NVML", "gpus": [], "error": "libnvidia-ml.so.1 not loadable"}
+NONE_SMI = {"via": "nvidia-smi", "gpus": [], "error": "nvidia-smi not on PATH"}
+
+
+def test_requirements_come_from_pyproject_and_pin_one_cuda13_build():
+    reqs = gs.gpu_requirements()
+    pin = gs.ort_gpu_pin(reqs)
+    assert pin.startswith("onnxruntime-gpu==1.31."), pin      # 1.31.x: the CUDA 13 build ORT_GPU_CUDA_MAJOR names
+    assert gs.ORT_GPU_CUDA_MAJOR == 13
+    assert any(r.startswith("onnxruntime-gpu[cuda,cudnn]==") for r in reqs)      # CUDA + cuDNN as wheels
+    assert any(r.startswith("nvidia-cublas") for r in reqs)      # the "cuda" extra names no cuBLAS
+    with pytest.raises(ValueError, match="pins no onnxruntime-gpu"):
+        gs.ort_gpu_pin(["onnxruntime-gpu>=1.20"])
+
+
+def test_probe_takes_nvml_then_nvidia_smi_and_keeps_the_reasons():
+    assert gs.probe(lambda: H200, lambda: NONE_SMI, env={})["gpus"] == ["NVIDIA H200"]
+    smi = dict(H200, via="nvidia-smi")
+    p = gs.probe(lambda: NONE_NVML, lambda: smi, env={})
+    assert p["found"] and p["via"] == "nvidia-smi" and "libnvidia-ml" in p["tried"][0]
+    p = gs.probe(lambda: NONE_NVML, lambda: NONE_SMI, env={})
+    assert not p["found"] and len(p["tried"]) == 2
+    assert not gs.probe(lambda: H200, lambda: smi, env={"FORGE_GPU": "0"})["found"]
+    assert gs.probe(lambda: NONE_NVML, lambda: NONE_SMI, env={"FORGE_GPU": "1"})["found"]
+    with pytest.raises(ValueError, match="FORGE_GPU='yes'"):
+        gs.probe(lambda: H200, lambda: smi, env={"FORGE_GPU": "yes"})
+
+
+def test_nvidia_smi_probe_parses_names_driver_and_cuda():
+    def run(cmd, **kw):
+        out = ("NVIDIA H200, 580.159.04\nNVIDIA H200, 580.159.04\n" if "--query-gpu=name,driver_version" in cmd
+               else "| NVIDIA-SMI 580.159.04   Driver Version: 580.159.04   CUDA Version: 13.0     |")
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+    assert gs.probe_smi(run) == {"via": "nvidia-smi", "gpus": ["NVIDIA H200"] * 2, "driver": "580.159.04",
+                                 "cuda_driver": "13.0"}
+    fail = lambda cmd, **kw: subprocess.CompletedProcess(cmd, 9, "", "NVIDIA-SMI has failed: no driver")  # noqa: E731
+    assert gs.probe_smi(fail)["gpus"] == [] and "no driver" in gs.probe_smi(fail)["error"]
+
+
+def test_nvml_probe_without_the_library_says_so():
+    r = gs.probe_nvml("libnvidia-ml-does-not-exist.so.1")
+    assert r["gpus"] == [] and "not loadable" in r["error"]
+
+
+def test_no_gpu_plans_nothing():
+    p = gs.plan(gs.probe(lambda: NONE_NVML, lambda: NONE_SMI, env={}), gs.gpu_requirements(),
+                have=lambda n: "1.23.0" if n == "onnxruntime" else None)
+    assert p["action"] == "cpu" and p["steps"] == [] and "CPU onnxruntime stays" in p["reason"]
+    assert gs.install(p, run=lambda *a, **k: pytest.fail("no command may run without a GPU")) == 0
+
+
+def test_gpu_replaces_the_cpu_wheel_not_beside_it():
+    reqs = gs.gpu_requirements()
+    p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="/v/bin/python",
+                have=lambda n: "1.23.0" if n == "onnxruntime" else None)
+    assert p["action"] == "gpu"
+    assert p["steps"] == [["/v/bin/python", "-m", "pip", "uninstall", "-y", "onnxruntime"],
+                          ["/v/bin/python", "-m", "pip", "install", "-q", *reqs]]
+    # both wheels installed (a later `pip install -e .` brought the CPU one back over the GPU one's files):
+    # the CPU one out, then the GPU wheel's files restored
+    p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="py", pip_args=("--no-index", "--find-links", "/w"),
+                have=lambda n: "1.31.1")
+    assert p["steps"][0][-1] == "onnxruntime" and p["steps"][1][5:7] == ["--no-index", "--find-links"]
+    assert p["steps"][2][-4:] == ["--no-index", "--find-links", "/w", gs.ort_gpu_pin(reqs)]
+    assert "--force-reinstall" in p["steps"][2]
+    # already the GPU wheel only: just make sure the CUDA wheels are there
+    p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="py", have=lambda n: "1.31.1" if "gpu" in n else None)
+    assert [s[3] for s in p["steps"]] == ["install"]
+
+
+def test_a_driver_too_old_for_cuda13_is_refused_with_the_fix():
+    p = gs.plan(dict(H200, found=True, tried=[], driver="550.54", cuda_driver="12.4"), gs.gpu_requirements(),
+                have=lambda n: "1.23.0")
+    assert p["action"] == "refuse" and p["steps"] == []
+    assert "CUDA 12.4" in p["reason"] and "update the NVIDIA driver" in p["reason"] and "FORGE_GPU=0" in p["reason"]
+    assert gs.install(p, run=lambda *a, **k: pytest.fail("nothing runs")) == 2
+
+
+def test_install_runs_the_steps_then_checks_the_provider_in_a_fresh_interpreter():
+    p = gs.plan(dict(H200, found=True, tried=[]), gs.gpu_requirements(), python="py", have=lambda n: "1.23.0"
+                if n == "onnxruntime" else None)
+    ran = []
+
+    def run(cmd, **kw):
+        ran.append(cmd)
+        if cmd[1] == "-c":         # the check: ORT's provider status after the install
+            return subprocess.CompletedProcess(cmd, 0, json.dumps({"problem": None, "providers": ["CUDAExecutionProvider"]}), "")
+        return subprocess.CompletedProcess(cmd, 0)
+    assert gs.install(p, run=run) == 0
+    assert ran[:2] == p["steps"] and ran[2][:2] == ["py", "-c"] and "ort_cuda_status" in ran[2][2]
+
+    def broken(cmd, **kw):
+        out = json.dumps({"problem": "CUDAExecutionProvider cannot load libcublas.so.13"}) if cmd[1] == "-c" else ""
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+    assert gs.install(p, run=broken) == 1
+    assert gs.install(p, run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1)) == 1     # a pip step failed
+
+
+def test_cli_plan_on_this_machine_and_bad_input(tmp_path):
+    def cli(*a, env=None):
+        import os
+        e = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+        return subprocess.run([sys.executable, "-m", "pipeline.gpu_setup", *a], capture_output=True, text=True,
+                              cwd=ROOT, env=e, timeout=60)
+    r = cli("plan", env={"FORGE_GPU": "0"})
+    assert r.returncode == 0 and json.loads(r.stdout)["action"] == "cpu"
+    r = cli("install", env={"FORGE_GPU": "0"})          # what `make setup` runs on a CPU machine: nothing
+    assert r.returncode == 0 and "CPU onnxruntime stays" in r.stdout
+    r = cli("plan", env={"FORGE_GPU": "maybe"})
+    assert r.returncode == 2 and "FORGE_GPU='maybe'" in r.stderr and "Traceback" not in r.stderr
+    r = cli("install", "--find-links", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "no such folder" in r.stderr
+
+
+def test_makefile_setup_runs_the_gpu_setup_after_the_cpu_install():
+    """`make setup` keeps its CPU steps and adds the gpu_setup step last (a no-op without a GPU)."""
+    mk = (ROOT / "Makefile").read_text()
+    setup = mk[mk.index("$(STAMP): pyproject.toml"):mk.index("touch $(STAMP)")]
+    cpu = setup.index("pip install -q -e '.[dev,s3,ray]'")
+    gpu = setup.index("-m pipeline.gpu_setup install")
+    assert cpu < gpu

@@ -140,3 +140,33 @@ def test_reference_applies_family_semantics(family_models, tmp_path, fam, what):
     good = compare_logits(ref32, ReferenceModel(src, device="cpu").logits(ids), ids)
     bad = compare_logits(ref32, ReferenceModel(tmp_path / "c", device="cpu").logits(ids), ids)
     assert bad["logits_cosine"] < good["logits_cosine"] - 1e-3, (good, bad)
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3"])
+def test_qk_norm_uses_attention_default_eps(family_models, monkeypatch, fam):
+    """The engine's q/k RMSNorm eps is Attention's default 1e-05, whatever the checkpoint's norm_epsilon (issue 27:
+    qwen/gemma DecoderLayer pass no eps; reference.QK_NORM_EPS cites the lines). Every q/k norm call gets it, every
+    other norm gets norm_epsilon, and the choice reaches the logits."""
+    import pipeline.trtllm.reference as reference
+    assert reference.QK_NORM_EPS == 1e-5
+    hf, m, ckpt = _ckpt(family_models, fam, 1)
+    norm_eps = json.loads((ckpt / "config.json").read_text())["norm_epsilon"]
+    assert norm_eps != reference.QK_NORM_EPS           # else the test could not tell them apart
+    seen = []
+    orig = ReferenceModel._rms
+
+    def spy(self, x, w, eps=None):
+        seen.append((int(w.shape[-1]), eps))
+        return orig(self, x, w, eps)
+
+    monkeypatch.setattr(ReferenceModel, "_rms", spy)
+    ids = tokens(2, 16)
+    ref = ReferenceModel(ckpt, device="cpu")
+    a = ref.logits(ids)
+    head = ref.D
+    qk = [e for d, e in seen if d == head and e is not None]
+    assert qk and set(qk) == {1e-5}, seen[:8]
+    assert all(e is None for d, e in seen if d != head or e is None)   # the hidden-size norms: norm_epsilon
+    monkeypatch.setattr(reference, "QK_NORM_EPS", 1.0)                  # a far eps must move the logits
+    b = ReferenceModel(ckpt, device="cpu").logits(ids)
+    assert (a - b).abs().max() > 1e-2

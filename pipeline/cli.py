@@ -163,7 +163,8 @@ def _print_memory_brief(runner) -> None:
     lim, ignored = prompt_limit(b.model_dump())
     if ignored:    # trtllm-build warns and ignores it; say what the runtime will accept instead
         console.print(f"prompt limit: {lim} tokens = min(max_seq_len - 1, max_num_tokens); "
-                      f"build.tensorrt_llm.max_input_len {b.max_input_len} is ignored (remove_input_padding + context_fmha)")
+                      f"build.tensorrt_llm.max_input_len {b.max_input_len} is ignored "
+                      f"(remove_input_padding + context_fmha)")
     try:
         from .memory import plan_for_recipe, render_memory
         info = runner.model_info()

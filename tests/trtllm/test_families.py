@@ -170,3 +170,18 @@ def test_qk_norm_uses_attention_default_eps(family_models, monkeypatch, fam):
     monkeypatch.setattr(reference, "QK_NORM_EPS", 1.0)                  # a far eps must move the logits
     b = ReferenceModel(ckpt, device="cpu").logits(ids)
     assert (a - b).abs().max() > 1e-2
+
+
+def test_qwen3_qk_norm_cites_upstream_not_the_fork():
+    """Issue 27: the Qwen3 q/k-norm source is upstream's qwen/model.py (PR #5650, qwen3_moe in PR #6470), whose
+    tensors and semantics the family encodes; the fork's copy (index id 54584513530) is named only as a fork."""
+    from pipeline.trtllm import families
+    from pipeline.trtllm.reference import QK_NORM_EPS
+    q = families.BY_ARCH["Qwen3ForCausalLM"]
+    assert q.qk_norm and q.model_class == "QWenForCausalLM" and q.decoder_type == "qwen"
+    assert q.extra_layer_tensors == ("attention.q_layernorm.weight", "attention.k_layernorm.weight")
+    doc = " ".join(families.__doc__.split())
+    assert "qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')" in doc
+    assert "PR #5650" in doc and "index id 66032162657" in doc
+    assert "Index id 54584513530 is a fork" in doc and "upstream line is still to be cited" not in doc
+    assert QK_NORM_EPS == 1e-05 and "Attention's default eps 1e-05" in doc

@@ -158,6 +158,13 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
 def _print_memory_brief(runner) -> None:
     if runner.recipe.build.target != "tensorrt_llm":
         return
+    from .trtllm.build_config import prompt_limit
+    b = runner.recipe.build.tensorrt_llm
+    lim, ignored = prompt_limit(b.model_dump())
+    if ignored:    # trtllm-build warns and ignores it; say what the runtime will accept instead
+        console.print(f"prompt limit: {lim} tokens = min(max_seq_len - 1, max_num_tokens); "
+                      f"build.tensorrt_llm.max_input_len {b.max_input_len} is ignored "
+                      f"(remove_input_padding + context_fmha)")
     try:
         from .memory import plan_for_recipe, render_memory
         info = runner.model_info()

@@ -181,6 +181,11 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
                  f"{info.max_position_embeddings}; outputs past it are not trained behaviour")
     if not _on(b.get("remove_input_padding", True)) and mnt < mil:
         p.append(f"{KEY}.max_num_tokens: {mnt} < max_input_len {mil}; a full-length prompt could not be scheduled")
+    lim, ignored = prompt_limit(b)
+    if ignored and mil > lim:
+        p.append(f"{KEY}.max_input_len: {mil} is ignored with remove_input_padding + context_fmha; the runtime "
+                 f"accepts prompts of at most {lim} tokens = min(max_seq_len - 1, max_num_tokens); "
+                 f"raise max_seq_len / max_num_tokens or lower max_input_len")
     if _on(b.get("multiple_profiles", False)) and b.get("opt_num_tokens") is not None:
         p.append(f"{KEY}.opt_num_tokens: cannot be combined with {KEY}.multiple_profiles: true")
     if mbs < 1 or int(b.get("workers", 1)) < 1:
@@ -203,6 +208,23 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         if sm < 80 and b.get("dtype") == "bfloat16":
             p.append(f"{KEY}.dtype: bfloat16 needs SM >= 80; target GPU is SM {sm}")
     return p
+
+
+def prompt_limit(build: dict) -> tuple[int, bool]:
+    """The longest prompt the engine's runtime accepts, and whether ``max_input_len`` is ignored for it.
+
+    With remove_input_padding and context FMHA both on, trtllm-build warns "padding removal and fMHA are both
+    enabled, max_input_len is not required and will be ignored" (``tensorrt_llm/builder.py``
+    ``_init_max_seq_len``, TRT-LLM 1.x, index id 205252225) and the batch manager sets ``mMaxInputLen =
+    std::min(mMaxSequenceLen - 1, mMaxNumTokens)`` ("since context FMHA and usePackedInput are enabled";
+    ``cpp/tensorrt_llm/batch_manager/trtGptModel.h``, index ids 625707605 / 36894874673). Otherwise it is the
+    engine's max_input_len. (Chunked context would give max_seq_len - 1; forge's Triton repository keeps it off.)
+    """
+    b = _section(build)
+    msl, mnt = int(b.get("max_seq_len", 2048)), int(b.get("max_num_tokens", 8192))
+    if _on(b.get("remove_input_padding", True)) and _on(b.get("context_fmha", True)):
+        return min(msl - 1, mnt), True
+    return int(b.get("max_input_len", 1024)), False
 
 
 def _default_logits_dtype() -> str:

@@ -18,19 +18,25 @@ without a resolvable commit are cited by their index id, as in shared/docs/trtll
   (PretrainedConfig keeps unknown keys as attributes, "Implicitly setting ...") for the reference, the
   Triton repository and the evaluate runtime to read (:func:`attention_windows` turns it into the per-layer list).
 * Qwen3: ``QWenConfig.from_hugging_face`` sets ``attn_bias = False`` for qwen3/qwen3_moe (index id 14645444);
-  ``QWenDecoderLayer`` builds ``Attention(qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe'),
-  layernorm_type=RmsNorm)``. Caveat (issue 27): index id 54584513530, the only copy of that file the index returns
-  with Qwen3, is a FORK of ``tensorrt_llm/models/qwen/model.py`` (it carries local plugins,
-  ``TRTLLM_QWEN_RMS_SCALE_SWIGLU_PLUGIN``), not upstream; the upstream file the index holds (@ 14e801da) predates
-  Qwen3 support (merged upstream 2025-07), so the upstream line is still to be cited. And the converter writes HF ``self_attn.q_norm`` / ``k_norm`` as
-  ``attention.q_layernorm.weight`` / ``attention.k_layernorm.weight`` (``tensorrt_llm/models/qwen/convert.py``,
-  index id 1134239761). The q/k norm is an RMSNorm over ``head_size``, applied per head before RoPE.
+  ``QWenDecoderLayer`` builds ``Attention(..., qk_layernorm=qk_layernorm, layernorm_type=LayerNormType.RmsNorm if
+  qk_layernorm else LayerNorm)`` with ``qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')`` and passes no
+  ``eps``. Upstream: ``tensorrt_llm/models/qwen/model.py`` as changed by NVIDIA/TensorRT-LLM PR #5650 "[feat] Add
+  TensorRT-Engine Qwen3 (dense) model support" (merged by 2025-07-10; blob 16d748d -> 0fb003a) and PR #6470 (qwen3_moe,
+  2025-07-30), both before the 1.2 line; the index's copy with those lines verbatim is index id 66032162657
+  (NVIDIA header 2022-2026, no local plugins). Index id 54584513530 is a fork of the same file (it adds
+  ``TRTLLM_QWEN_RMS_SCALE_SWIGLU_PLUGIN``) and is not cited. The commit of a v1.2.* tag could not be resolved: the
+  repository snapshot (2.5 GB) is over the fetch limit (500 MiB) and the index labels no tags. The converter writes
+  HF ``self_attn.q_norm`` / ``k_norm`` as ``attention.q_layernorm.weight`` / ``attention.k_layernorm.weight``
+  (``tensorrt_llm/models/qwen/convert.py``, index id 1134239761, same PR). The q/k norm is an RMSNorm over
+  ``head_size``, per head before RoPE, with Attention's default eps 1e-05 (reference.QK_NORM_EPS), not
+  ``norm_epsilon``.
 * Gemma 3: ``GemmaConfig`` (``tensorrt_llm/models/gemma/config.py``, index id 397088162) with
   ``Gemma3ConfigGroup`` = ``query_pre_attn_scalar, final_logit_softcapping, _sliding_window_pattern,
   rope_local_base_freq, sliding_window`` (``tensorrt_llm/models/modeling_utils.py``, index id 57035009897),
   all required for ``architecture == "Gemma3ForCausalLM"`` (``assert query_pre_attn_scalar is not None``).
-  ``GemmaDecoderLayer`` (``tensorrt_llm/models/gemma/model.py``, index id 83670668): ``qk_layernorm=True``,
-  ``q_scaling = sqrt(query_pre_attn_scalar) / sqrt(head_size)`` (softmax scale 1/sqrt(query_pre_attn_scalar)),
+  ``GemmaDecoderLayer`` (``tensorrt_llm/models/gemma/model.py``, index id 83670668): ``qk_layernorm=True``
+  (no ``eps``: Attention's 1e-05), ``q_scaling = sqrt(query_pre_attn_scalar) / sqrt(head_size)``
+  (softmax scale 1/sqrt(query_pre_attn_scalar)),
   ``is_sliding = bool((layer_idx + 1) % _sliding_window_pattern)`` with ``rotary_embedding_base_local =
   rope_local_base_freq``; ``inter_layernorms``: ``post_layernorm`` on the attention output before the residual
   add, ``pre_feedforward_layernorm`` before and ``post_feedforward_layernorm`` after the MLP; ``GemmaModel``

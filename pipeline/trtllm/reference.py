@@ -56,6 +56,11 @@ from .families import sliding_layers
 LABEL = "checkpoint, reference numerics"
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FP8_MAX = 448.0
+# The engine's per-head q/k RMSNorm eps is Attention's default, not the checkpoint's norm_epsilon: Attention(...,
+# qk_layernorm, eps=1e-05) builds q_layernorm/k_layernorm with eps=eps (tensorrt_llm/layers/attention.py, TRT-LLM
+# 1.x, index ids 1178835378 / 29227859985), and neither QWenDecoderLayer (qwen/model.py, index id 66032162657) nor
+# GemmaDecoderLayer (gemma/model.py, index id 83670668) passes eps. HF applies rms_norm_eps (1e-6) there (issue 27).
+QK_NORM_EPS = 1e-5
 LM_HEAD_ROWS = 4096           # lm_head rows dequantized to fp32 at a time (bounds memory at large vocabularies)
 # hidden_act of the gated MLP's fc branch. TensorRT-LLM's ``gelu`` is the tanh approximation (families.py).
 _ACTS = {"silu": F.silu, "swiglu": F.silu, "gelu": lambda x: F.gelu(x, approximate="tanh"),
@@ -226,9 +231,9 @@ class ReferenceModel:
             y = y + lin.bias
         return y
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def _rms(self, x: torch.Tensor, w: torch.Tensor, eps: float | None = None) -> torch.Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
-        return self._rd(x * torch.rsqrt(var + self.eps) * w)
+        return self._rd(x * torch.rsqrt(var + (self.eps if eps is None else eps)) * w)
 
     def _rope(self, T: int, base: float, scaled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         D = self.D
@@ -282,7 +287,7 @@ class ReferenceModel:
         k = k.view(B, T, nkv, D).transpose(1, 2)
         v = v.view(B, T, nkv, D).transpose(1, 2)
         if lay["q_ln"] is not None:            # per-head RMSNorm over head_size, before RoPE
-            q, k = self._rms(q, lay["q_ln"]), self._rms(k, lay["k_ln"])
+            q, k = self._rms(q, lay["q_ln"], QK_NORM_EPS), self._rms(k, lay["k_ln"], QK_NORM_EPS)
         q, k = self._rd(self._rot(q, cos, sin)), self._rd(self._rot(k, cos, sin))
         rep = nq // nkv
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

@@ -144,3 +144,20 @@ def test_build_engine_stops_without_tensorrt_llm(tmp_path):
     assert e.value.finish_hint.startswith("trtllm-build --checkpoint_dir ")
     assert f"--output_timing_cache {tmp_path / 'eng' / 'timing.cache'}" in e.value.finish_hint
     assert not (tmp_path / "eng").exists()   # nothing that looks like an engine
+
+
+def test_prompt_limit_with_packed_input_and_context_fmha():
+    """remove_input_padding + context FMHA: trtllm-build ignores max_input_len and the batch manager accepts
+    min(max_seq_len - 1, max_num_tokens) (build_config.prompt_limit cites both lines; issue 27)."""
+    from pipeline.trtllm.build_config import prompt_limit
+    assert prompt_limit(QWEN7B_INT8) == (8191, True)
+    assert prompt_limit({**SMOL_TP3, "max_num_tokens": 1500}) == (1500, True)
+    assert prompt_limit({**SMOL_TP3, "context_fmha": False}) == (1024, False)
+    assert prompt_limit({**SMOL_TP3, "remove_input_padding": False}) == (1024, False)
+    # a recipe promising longer prompts than the runtime takes is refused, naming the key and the real limit
+    p = validate_build({**SMOL_TP3, "max_input_len": 2048}, INT8_SQ, SMOL, 90)
+    assert any(x.startswith("build.tensorrt_llm.max_input_len: 2048 is ignored") and "at most 2047 tokens" in x
+               for x in p), p
+    p = validate_build({**SMOL_TP3, "max_num_tokens": 512}, INT8_SQ, SMOL, 90)
+    assert any("at most 512 tokens" in x for x in p), p
+    assert validate_build({**SMOL_TP3, "max_input_len": 2048, "context_fmha": False}, INT8_SQ, SMOL, 90) == []

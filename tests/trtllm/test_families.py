@@ -140,3 +140,48 @@ def test_reference_applies_family_semantics(family_models, tmp_path, fam, what):
     good = compare_logits(ref32, ReferenceModel(src, device="cpu").logits(ids), ids)
     bad = compare_logits(ref32, ReferenceModel(tmp_path / "c", device="cpu").logits(ids), ids)
     assert bad["logits_cosine"] < good["logits_cosine"] - 1e-3, (good, bad)
+
+
+@pytest.mark.parametrize("fam", ["qwen3", "gemma3"])
+def test_qk_norm_uses_attention_default_eps(family_models, monkeypatch, fam):
+    """The engine's q/k RMSNorm eps is Attention's default 1e-05, whatever the checkpoint's norm_epsilon (issue 27:
+    qwen/gemma DecoderLayer pass no eps; reference.QK_NORM_EPS cites the lines). Every q/k norm call gets it, every
+    other norm gets norm_epsilon, and the choice reaches the logits."""
+    import pipeline.trtllm.reference as reference
+    assert reference.QK_NORM_EPS == 1e-5
+    hf, m, ckpt = _ckpt(family_models, fam, 1)
+    norm_eps = json.loads((ckpt / "config.json").read_text())["norm_epsilon"]
+    assert norm_eps != reference.QK_NORM_EPS           # else the test could not tell them apart
+    seen = []
+    orig = ReferenceModel._rms
+
+    def spy(self, x, w, eps=None):
+        seen.append((int(w.shape[-1]), eps))
+        return orig(self, x, w, eps)
+
+    monkeypatch.setattr(ReferenceModel, "_rms", spy)
+    ids = tokens(2, 16)
+    ref = ReferenceModel(ckpt, device="cpu")
+    a = ref.logits(ids)
+    head = ref.D
+    qk = [e for d, e in seen if d == head and e is not None]
+    assert qk and set(qk) == {1e-5}, seen[:8]
+    assert all(e is None for d, e in seen if d != head or e is None)   # the hidden-size norms: norm_epsilon
+    monkeypatch.setattr(reference, "QK_NORM_EPS", 1.0)                  # a far eps must move the logits
+    b = ReferenceModel(ckpt, device="cpu").logits(ids)
+    assert (a - b).abs().max() > 1e-2
+
+
+def test_qwen3_qk_norm_cites_upstream_not_the_fork():
+    """Issue 27: the Qwen3 q/k-norm source is upstream's qwen/model.py (PR #5650, qwen3_moe in PR #6470), whose
+    tensors and semantics the family encodes; the fork's copy (index id 54584513530) is named only as a fork."""
+    from pipeline.trtllm import families
+    from pipeline.trtllm.reference import QK_NORM_EPS
+    q = families.BY_ARCH["Qwen3ForCausalLM"]
+    assert q.qk_norm and q.model_class == "QWenForCausalLM" and q.decoder_type == "qwen"
+    assert q.extra_layer_tensors == ("attention.q_layernorm.weight", "attention.k_layernorm.weight")
+    doc = " ".join(families.__doc__.split())
+    assert "qk_layernorm = config.qwen_type in ('qwen3', 'qwen3_moe')" in doc
+    assert "PR #5650" in doc and "index id 66032162657" in doc
+    assert "Index id 54584513530 is a fork" in doc and "upstream line is still to be cited" not in doc
+    assert QK_NORM_EPS == 1e-05 and "Attention's default eps 1e-05" in doc

@@ -57,3 +57,12 @@ def test_kv_cache_fraction_of_one_is_a_recipe_error():
     out = " ".join((p.stdout + p.stderr).split())
     assert p.returncode == 2, out
     assert "package.triton.kv_cache_free_gpu_mem_fraction" in out and "Traceback" not in out
+
+
+def test_plan_says_max_input_len_is_ignored():
+    """forge plan names the runtime's prompt limit, not the max_input_len trtllm-build ignores (issue 27)."""
+    p = forge("plan", "gemma3-270m-trtllm")
+    out = " ".join((p.stdout + p.stderr).split())
+    assert p.returncode == 0, out
+    assert ("prompt limit: 2047 tokens = min(max_seq_len - 1, max_num_tokens); "
+            "build.tensorrt_llm.max_input_len 1024 is ignored") in out

@@ -126,7 +126,7 @@ class TrtllmCheckpoint(Stage):
 class CheckpointEvaluate(EvaluateBase):
     """Checkpoint logits by a torch reference of TensorRT-LLM's semantics vs FP32."""
     name = "evaluate_checkpoint"
-    version = "2"   # 2: streaming reference numerics (one layer resident, CUDA when present) and new families
+    version = "3"   # 2: streaming reference numerics (one layer resident, CUDA when present) and new families; 3: q/k norms use the engine Attention's eps 1e-5 (Qwen3, Gemma 3)
     needs = ("checkpoint", "source", "quantize")
     subject = "tensorrt_llm checkpoint, reference numerics (not an engine)"
 

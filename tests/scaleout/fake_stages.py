@@ -21,6 +21,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import recipe_options
+from pipeline.hardware import Hardware
 from pipeline.stages.base import Stage
 
 
@@ -101,7 +102,7 @@ class GpuArch(Stage):
     needs = ("gate",)
 
     def hardware(self, r):
-        return f"sm{_opt(r, 'sm', 90)}"
+        return Hardware.gpu_arch(int(_opt(r, "sm", 90)), "quantize.options.sm")
 
     def gpus(self, r):
         return 0

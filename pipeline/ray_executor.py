@@ -74,7 +74,9 @@ def connect(address: str | None) -> str:
         if target:
             ray.init(address=target, logging_level="ERROR", configure_logging=True)
         else:
-            ray.init(logging_level="ERROR", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+            # this machine's ISA class and GPU architectures, as `ray start` on a forge node advertises them
+            ray.init(logging_level="ERROR", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                     resources=node_resources())
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ForgeError(f"cannot join the Ray cluster at {target}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
                          f"Start one with `ray start --head` (and `ray start --address=HEAD:PORT` on each other node), "

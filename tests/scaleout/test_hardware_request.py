@@ -134,3 +134,35 @@ def test_node_resources(monkeypatch):
                        text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == node_resources()      # this machine's class (and GPUs)
+
+
+def test_the_in_process_fallback_advertises_this_machines_hardware(monkeypatch):
+    """Without --ray-address / RAY_ADDRESS forge starts Ray in its own process: that node must advertise its ISA
+    class (and GPU architectures) too, or every ISA-keyed stage would be cannot-run-here."""
+    import pipeline.ray_executor as rx
+    calls = []
+
+    class FakeRay:
+        def is_initialized(self):
+            return False
+
+        def init(self, **kw):
+            calls.append(kw)
+
+    monkeypatch.setattr(rx, "_ray", lambda: FakeRay())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-amx")
+    monkeypatch.setattr("pipeline.env.gpus", lambda: [{"sm": 90}])
+    assert rx.connect(None) == "a Ray instance started on this machine"
+    assert calls[0]["resources"] == {"isa:x86_64-amx": 1, "sm_90": 1}
+
+
+def test_an_output_not_on_this_machine_leaves_no_stale_link(tmp_path):
+    from pipeline.cli import _link
+    old, dest = tmp_path / "old-engine", tmp_path / "out" / "engine"
+    old.mkdir()
+    dest.parent.mkdir()
+    _link(dest, str(old))
+    assert dest.resolve() == old.resolve()
+    _link(dest, "s3://bucket/prefix/entries/ab/abcd.json")      # this run's engine is only in the store
+    assert not dest.exists() and not dest.is_symlink()

@@ -256,7 +256,8 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None,
 
     deadline = time.time() + timeout_s
     want: dict = {}
-    attempts = 3        # `ray start` gives its own node 30 s (hard-coded) to register: on a loaded machine it may not
+    # `ray start` gives its node 30 s (hard-coded in ray/_private/node.py) to register with the GCS: on a loaded
+    # machine it may not, and exits; it is started again (fresh ports for a head) until the deadline
 
     def wait_for(ip: str, resources: dict, proc: subprocess.Popen) -> list[dict] | None:
         """Every node so far alive with its resources (None: ``proc``, this node's `ray start`, exited)."""
@@ -278,7 +279,8 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None,
 
     def bring_up(ip: str, resources: dict, args) -> list[dict]:
         nonlocal address
-        for attempt in range(attempts):
+        attempt = 0
+        while True:
             if ip == "127.0.0.2" and attempt:       # a head again: on fresh ports
                 address = f"127.0.0.2:{free_port()}"
             start(ip, *args(), f"--resources={json.dumps(resources)}")
@@ -286,10 +288,11 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None,
             if up is not None:
                 return up
             kill_tree(procs.pop())
+            attempt += 1
             if time.time() > deadline:
                 break
         logs = "\n".join(f.read_text()[-1500:] for f in tmp.glob("ray-*.log"))
-        raise RuntimeError(f"Ray cluster did not come up: `ray start` on {ip} exited {attempt + 1} times:\n{logs}")
+        raise RuntimeError(f"Ray cluster did not come up: `ray start` on {ip} exited {attempt} times in {timeout_s:.0f} s:\n{logs}")
 
     try:
         up = bring_up("127.0.0.2", head_resources or {}, lambda: (

@@ -120,7 +120,8 @@ def place(stage, recipe, nodes: list[Node]) -> tuple[str | None, str]:
     req = request(stage, recipe)
     ok = [n for n in nodes if all(n.resources.get(k, 0.0) >= v for k, v in req.items())]
     if not ok:
-        shown = lambda k: k in ("CPU", "GPU") or k.startswith(("sm_", ISA_RESOURCE_PREFIX))    # noqa: E731
+        isa_req = any(k.startswith(ISA_RESOURCE_PREFIX) for k in req)
+        shown = lambda k: k in ("CPU", "GPU") or k.startswith("sm_") or (isa_req and k.startswith(ISA_RESOURCE_PREFIX))  # noqa: E731
         have = "; ".join(f"{n.label()}: {_fmt({k: v for k, v in n.resources.items() if shown(k)})}"
                          for n in nodes) or "none"
         gpus = int(req.get("GPU", 0))
@@ -128,7 +129,7 @@ def place(stage, recipe, nodes: list[Node]) -> tuple[str | None, str]:
                   if k not in ("CPU", "GPU")}
         start = "ray start --address=HEAD:PORT" + (f" --num-gpus={gpus}" if gpus else "") + \
                 (f" --resources='{json.dumps(custom)}'" if custom else "")
-        isa = "" if not any(k.startswith(ISA_RESOURCE_PREFIX) for k in req) else (
+        isa = "" if not isa_req else (
             " (a node of that CPU ISA class advertises it: `ray start ... --resources \"$(python -m "
             "pipeline.ray_executor --node-resources)\"`)")
         return (f"no node in the Ray cluster has {_fmt(req)} (nodes: {have}); add one that has: `{start}`{isa}",

@@ -129,6 +129,9 @@ class Package(Stage):
     needs = ("engine",)
     hands_off = True
 
+    def config(self, r):
+        return {"options": r.quantize.options}
+
     def run(self, ctx):
         (ctx.out / "model" / "1").mkdir(parents=True)
         (ctx.out / "model" / "1" / "engine.bin").write_bytes((ctx.inputs["engine"] / "engine.bin").read_bytes())

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -175,11 +176,11 @@ def test_the_drivers_outputs_are_local(cluster, shared):
     """The package is fetched into the driver's cache layer and out/<recipe>/triton_repo links there; report.json
     names no path in a worker's FORGE_HOME (which does not exist on the driver's machine of a real cluster)."""
     m = shared.machine("driver")
-    fp = shared.recipe("fp", target="tensorrt_llm", salt=True)   # salt: a transform no node has, so all after it build
+    fp = shared.recipe("fp", target="tensorrt_llm", tag=uuid.uuid4().hex)     # a package no node has yet
     m.forge(*_ray(cluster, "build", fp))
     report = m.report("fp")
     stages = _stages(report)
-    assert [s["status"] for s in report["stages"]][1:] == ["built"] * 4    # produce: maybe in a node's layer already
+    assert stages["package"]["status"] == "built"             # (the rest may be in a node's layer already)
     assert stages["package"]["node"]["ip"] in cluster.nodes     # built by a worker, in that node's FORGE_HOME
     repo = m.cwd / "out" / "fp" / "triton_repo"
     assert repo.is_symlink() and repo.resolve().is_relative_to(m.home.resolve())

@@ -179,6 +179,8 @@ def _link(dest: Path, target: str | None) -> None:
     from .env import atomic_symlink
     if target and Path(target).is_dir():    # --executor ray: the entry may lie only in the shared store
         atomic_symlink(dest, target)
+    elif dest.is_symlink():                 # not on this machine: no link, rather than last run's
+        dest.unlink()
 
 
 @app.command()

@@ -653,7 +653,8 @@ def cuda_device() -> dict | None:
     return {"name": found[0]["name"], "sm": found[0]["sm"]} if found else None
 
 
-def cuda_hardware() -> str:
+def cuda_hardware():
     """Cache-key hardware of a CUDA stage: the GPU's architecture and name (``cuda:sm_90:NVIDIA H200``)."""
+    from .hardware import Hardware
     d = cuda_device()
-    return f"cuda:sm_{d['sm']}:{d['name']}" if d else "cuda:unavailable"
+    return Hardware.cuda(d["sm"], d["name"]) if d else Hardware.cuda(None, None)

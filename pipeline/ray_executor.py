@@ -10,10 +10,17 @@ from the store into its node's local layer (``FORGE_HOME/artifacts`` there) and 
 carries only small results (status, key, digest, metrics, the node). Every node needs forge and the same tool
 versions (one image), its data sets (``forge data fetch``) and credentials for the store.
 
-Scheduling is by resources (``Stage.ray_resources``): a CPU stage asks for one CPU and runs anywhere; a GPU stage
-asks for its GPUs (tp x pp for TensorRT-LLM engine build/evaluate) and for the custom resource naming the GPU
-architecture it builds for (``sm_90``), so it runs only on a node started with
-``ray start --num-gpus 8 --resources '{"sm_90": 8}'``. A stage no node can run is not submitted (Ray would wait
+Scheduling is by resources (``Stage.ray_resources``, from the stage's typed hardware, pipeline/hardware.py): a
+CPU stage whose output is the same on every CPU asks for one CPU and runs anywhere; a stage keyed by the CPU's ISA
+class asks also for a sliver of ``isa:<the driver's class>`` (the driver keys it with its own class), so it runs
+only on nodes of that class; a GPU stage asks for its GPUs (tp x pp for TensorRT-LLM engine build/evaluate, one
+for ONNX Runtime's CUDA stages) and the custom resource naming the GPU architecture (``sm_90``). Nodes advertise
+them: ``ray start ... --resources "$(python -m pipeline.ray_executor --node-resources)"``. The worker checks that
+its own hardware is the one the driver keyed the stage with and fails the stage, saying so, if not (docs/ray.md).
+
+The driver's outputs are local: the payload of a stage that hands off (the Triton package) is fetched into the
+driver's cache layer, ``out/<recipe>/triton_repo`` links there, and report.json names only paths on the driver or
+the store's URLs, never a worker's FORGE_HOME. A stage no node can run is not submitted (Ray would wait
 for it forever): it is ``cannot-run-here`` with the resources it lacks. A task lost with its worker or node is
 retried by Ray (``MAX_RETRIES``); a killed attempt leaves no entry (the record is written last, conditionally),
 so a retry produces the same result a first attempt would.
@@ -32,11 +39,11 @@ from pathlib import Path
 
 from .cache import ArtifactCache, make_key
 from .errors import ForgeError, UsageError
+from .hardware import ISA_RESOURCE_PREFIX, isa_resource, sm_resource
 from .runner import Runner, StageResult
 
 MAX_RETRIES = 3                          # Ray re-runs a task whose worker or node died this many times
 LOCAL_OBJECT_STORE_BYTES = 100 * 2**20   # a cluster started for one build: results are small, artifacts go via S3
-SM_KEY = "build.tensorrt_llm.gpu_sm"
 SHARED_CACHE_NEEDED = ("--executor ray needs a shared cache every node reads and writes: set "
                        "FORGE_CACHE=s3://bucket/prefix (or gs://, az://); stages exchange artifacts only there")
 
@@ -67,7 +74,9 @@ def connect(address: str | None) -> str:
         if target:
             ray.init(address=target, logging_level="ERROR", configure_logging=True)
         else:
-            ray.init(logging_level="ERROR", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES)
+            # this machine's ISA class and GPU architectures, as `ray start` on a forge node advertises them
+            ray.init(logging_level="ERROR", include_dashboard=False, object_store_memory=LOCAL_OBJECT_STORE_BYTES,
+                     resources=node_resources())
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise ForgeError(f"cannot join the Ray cluster at {target}: {str(e).splitlines()[0] if str(e) else type(e).__name__}. "
                          f"Start one with `ray start --head` (and `ray start --address=HEAD:PORT` on each other node), "
@@ -105,27 +114,36 @@ def _fmt(req: dict[str, float]) -> str:
 
 def place(stage, recipe, nodes: list[Node]) -> tuple[str | None, str]:
     """(what is missing or None, where it would run) for a stage on these nodes: the plan's and the driver's view."""
-    if stage.hardware(recipe) == "sm-unspecified":
-        return (f"{recipe.name}: {SM_KEY} is not set, so no one can say which GPU architecture the engine is for and "
-                f"which node may build it: set it (e.g. --set {SM_KEY}=90 for H100/H200)", "")
+    unplaceable = stage.hardware(recipe).unplaceable(recipe.name)
+    if unplaceable:
+        return unplaceable, ""
     req = request(stage, recipe)
     ok = [n for n in nodes if all(n.resources.get(k, 0.0) >= v for k, v in req.items())]
     if not ok:
-        have = "; ".join(f"{n.label()}: {_fmt({k: v for k, v in n.resources.items() if k in ('CPU', 'GPU') or k.startswith('sm_')})}"
+        isa_req = any(k.startswith(ISA_RESOURCE_PREFIX) for k in req)
+        shown = lambda k: k in ("CPU", "GPU") or k.startswith("sm_") or (isa_req and k.startswith(ISA_RESOURCE_PREFIX))  # noqa: E731
+        have = "; ".join(f"{n.label()}: {_fmt({k: v for k, v in n.resources.items() if shown(k)})}"
                          for n in nodes) or "none"
         gpus = int(req.get("GPU", 0))
-        custom = {k: int(v) for k, v in req.items() if k not in ("CPU", "GPU")}
+        custom = {k: (1 if k.startswith(ISA_RESOURCE_PREFIX) else int(v)) for k, v in req.items()
+                  if k not in ("CPU", "GPU")}
         start = "ray start --address=HEAD:PORT" + (f" --num-gpus={gpus}" if gpus else "") + \
                 (f" --resources='{json.dumps(custom)}'" if custom else "")
-        return (f"no node in the Ray cluster has {_fmt(req)} (nodes: {have}); add one that has: `{start}`", "nowhere")
+        isa = "" if not isa_req else (
+            " (a node of that CPU ISA class advertises it: `ray start ... --resources \"$(python -m "
+            "pipeline.ray_executor --node-resources)\"`)")
+        return (f"no node in the Ray cluster has {_fmt(req)} (nodes: {have}); add one that has: `{start}`{isa}",
+                "nowhere")
     where = f"any of {len(ok)} nodes" if len(ok) == len(nodes) and len(ok) > 1 else ", ".join(n.label() for n in ok)
     return None, f"{_fmt(req)} on {where}"
 
 
 # ------------------------------------------------------------------ the task (runs on a worker)
-def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool, cache_url: str) -> dict:
+def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool, cache_url: str,
+                   keyed_hardware: str | None = None) -> dict:
     """One stage on the node Ray chose: its inputs come from the shared store into this node's local layer,
-    its output goes back there. Returns the StageResult as a dict, its payload digest, and a failure's log."""
+    its output goes back there. Returns the StageResult as a dict, its payload digest, and a failure's log.
+    ``keyed_hardware``: the hardware the driver keyed the stage with; a node whose own differs refuses it."""
     import ray
     from .remote_cache import RemoteStore
     node = {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
@@ -133,6 +151,16 @@ def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool
     stage = next(s for s in stages if s.name == stage_name)
     log_dir = Path(tempfile.mkdtemp(prefix="forge-ray-log-"))
     try:
+        here = stage.hardware(recipe)
+        if keyed_hardware is not None and str(here) != keyed_hardware:
+            res = StageResult(stage_name, "failed", message=(
+                f"on node {node['ip']} ({node['host']}): this node's hardware for {stage_name} is '{here}' but the "
+                f"driver keyed the stage with '{keyed_hardware}', and its result would be stored under a key that "
+                f"names other hardware than it ran on. The node advertises a Ray resource it does not have: start "
+                f"it with `ray start ... --resources \"$(python -m pipeline.ray_executor --node-resources)\"`"),
+                error_type="HardwareMismatch")
+            res.node = node
+            return {"result": asdict(res), "digest": None, "log_text": None}
         try:
             remote = RemoteStore(cache_url)
             remote.probe()
@@ -210,8 +238,25 @@ class RayBuild:
                 except Exception:
                     pass
             raise
+        for st in self.recipes:
+            if st.done:
+                for s in st.runner.stages:
+                    self._localise(s, st.results[s.name])
         return [([st.results[s.name] for s in st.runner.stages] if st.done else None, st.wall_s)
                 for st in self.recipes]
+
+    def _localise(self, stage, res: StageResult) -> None:
+        """Point the result at this machine: a worker's payload path lies in that node's FORGE_HOME. What hands
+        off (the package) is fetched into the driver's layer; any other payload is named by its local path if the
+        driver has it, else by the store's URL (not downloaded: the driver needs only what it links)."""
+        if res.status not in ("hit", "built") or not res.key:
+            return
+        try:
+            entry = self.cache.get(res.key, fetch=stage.hands_off)
+        except ForgeError as e:
+            entry = None
+            res.message = (res.message + "; " if res.message else "") + f"not fetched to this machine: {e}"
+        res.payload = str(entry.payload) if entry is not None else self.cache.remote.record_url(res.key)
 
     def _finish(self, st: _Recipe, res: StageResult, digest: str | None = None) -> None:
         st.results[res.name] = res
@@ -268,7 +313,7 @@ class RayBuild:
             ref = self.task.options(num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
                                     resources=res.get("resources") or None, max_retries=MAX_RETRIES,
                                     retry_exceptions=False, name=f"forge:{r.name}:{s.name}") \
-                .remote(r, runner.stages, s.name, dict(st.upstream), forced, self.url)
+                .remote(r, runner.stages, s.name, dict(st.upstream), forced, self.url, str(s.hardware(r)))
             self.by_key[key] = ref
             self.by_ref[ref] = (key, [(st, s.name)])
             st.waiting.add(s.name)
@@ -305,3 +350,33 @@ class RayBuild:
             return str(path)
         except OSError:
             return None
+
+
+# ------------------------------------------------------------------ what a node advertises
+def node_resources() -> dict[str, float]:
+    """The custom resources this machine's Ray node should advertise so that stages bound to its hardware are
+    scheduled on it: its CPU's ISA class (``isa:x86_64-avx2``: 1, a marker ISA-keyed stages take a sliver of) and
+    one ``sm_<N>`` per GPU of that compute capability."""
+    from .env import cpu_isa_class, gpus
+    out: dict[str, float] = {isa_resource(cpu_isa_class()): 1}
+    for g in gpus():
+        out[sm_resource(g["sm"])] = out.get(sm_resource(g["sm"]), 0) + 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m pipeline.ray_executor", description=(
+        "What this machine's Ray node must advertise for forge: `ray start ... --resources \"$(python -m "
+        "pipeline.ray_executor --node-resources)\"` (add --num-gpus as usual)."))
+    ap.add_argument("--node-resources", action="store_true", help="print the JSON for `ray start --resources`")
+    args = ap.parse_args(argv)
+    if not args.node_resources:
+        ap.print_help()
+        return 2
+    print(json.dumps(node_resources(), sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..env import gpu_sm, has_module, tool_label, tool_version
+from ..hardware import Hardware
 from ..modelinfo import ModelInfo
 from ..recipe import Recipe
 
@@ -18,16 +19,16 @@ def payload_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def cpu_hardware() -> str:
+def cpu_hardware() -> Hardware:
     """Hardware of a CPU stage whose output is the same on every CPU of this architecture."""
-    return f"cpu:{platform.machine()}"
+    return Hardware.cpu(platform.machine())
 
 
-def cpu_isa_hardware() -> str:
+def cpu_isa_hardware() -> Hardware:
     """Hardware of a CPU stage whose output or measured numbers depend on the instruction set ONNX Runtime's
     kernels use here (``cpu:x86_64-avx2``, ``cpu:x86_64-amx``, ...): results never cross ISA classes."""
     from ..env import cpu_isa_class
-    return f"cpu:{cpu_isa_class()}"
+    return Hardware.cpu_isa(cpu_isa_class())
 
 
 @dataclass
@@ -60,8 +61,9 @@ class Stage:
         """Digests of the data sets this stage reads."""
         return {}
 
-    def hardware(self, r: Recipe) -> str:
-        return "any"
+    def hardware(self, r: Recipe) -> Hardware:
+        """What the output is bound to (pipeline/hardware.py): the key's hardware, the Ray request, the hints."""
+        return Hardware.any()
 
     def missing(self, r: Recipe) -> str | None:
         """What this machine lacks to run the stage (None when it can run here)."""
@@ -69,16 +71,14 @@ class Stage:
 
     def gpus(self, r: Recipe) -> int:
         """GPUs one run of the stage takes (0 for a CPU stage); a stage bound to a GPU architecture takes one."""
-        return 1 if self.hardware(r).startswith("sm") else 0
+        return 1 if self.hardware(r).on_gpu else 0
 
     def ray_resources(self, r: Recipe) -> dict:
-        """What one run asks of a Ray cluster (--executor ray): one CPU; its GPUs; and for a stage whose output is
-        bound to a GPU architecture (hardware ``sm90``) the custom resource naming it (``sm_90``, one per GPU),
-        which nodes advertise with ``ray start --resources '{"sm_90": 8}'``."""
+        """What one run asks of a Ray cluster (--executor ray): one CPU; its GPUs; and the custom resources its
+        hardware names (``sm_90`` per GPU, ``isa:x86_64-avx2`` for an ISA-keyed CPU stage: pipeline/hardware.py),
+        which nodes advertise with ``ray start --resources`` (``python -m pipeline.ray_executor --node-resources``)."""
         n = self.gpus(r)
-        hw = self.hardware(r)
-        custom = {f"sm_{hw[2:]}": float(max(n, 1))} if hw.startswith("sm") and hw[2:].isdigit() else {}
-        return {"num_cpus": 1, "num_gpus": n, "resources": custom}
+        return {"num_cpus": 1, "num_gpus": n, "resources": self.hardware(r).custom_resources(n)}
 
     def output_bytes(self, r: Recipe, info: ModelInfo | None, inputs: dict[str, Path]) -> int | None:
         """About how many bytes the payload takes (checked against free space before the stage runs); None = unknown."""
@@ -112,12 +112,13 @@ class GpuStage(Stage):
     module: str = ""
     install_hint: str = ""
 
+    gpu_sm_key: str = ""                # the recipe key gpu_sm_setting reads (named by every hint)
+
     def gpu_sm_setting(self, r: Recipe) -> int | None:
         return None
 
-    def hardware(self, r: Recipe) -> str:
-        sm = self.gpu_sm_setting(r) or gpu_sm()
-        return f"sm{sm}" if sm else "sm-unspecified"
+    def hardware(self, r: Recipe) -> Hardware:
+        return Hardware.gpu_arch(self.gpu_sm_setting(r) or gpu_sm(), self.gpu_sm_key)
 
     def missing(self, r: Recipe) -> str | None:
         if not has_module(self.module):

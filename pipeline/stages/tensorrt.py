@@ -98,6 +98,8 @@ class TensorrtBuildStage(GpuStage):
         from ..tensorrt.build import INSTALL_HINT
         return INSTALL_HINT
 
+    gpu_sm_key = "build.tensorrt.gpu_sm"
+
     def gpu_sm_setting(self, r):
         return r.build.tensorrt.gpu_sm
 

@@ -22,6 +22,8 @@ class OnTrtllmGpu(GpuStage):
     module = "tensorrt_llm"
     install_hint = "pip install -e '.[trtllm]' on a GPU machine with NVIDIA's index"
 
+    gpu_sm_key = "build.tensorrt_llm.gpu_sm"
+
     def gpu_sm_setting(self, r):
         return r.build.tensorrt_llm.gpu_sm
 

@@ -4,9 +4,12 @@ nodes have this directory on PYTHONPATH).
 Knobs come from the recipe's free ``quantize.options`` (so they enter the stage keys like any config):
 ``sleep`` (seconds the transform stage takes), ``crash_once`` (a marker path: the transform stage's first attempt
 writes its pid there and waits to be killed), ``size_kb`` (transform payload size), ``salt`` (nondeterministic
-bytes: each run writes different ones, to tell a loser's payload from the winner's). ``flow(sm90=True)`` adds a
-stage bound to GPU architecture ``sm`` (default 90) that needs the custom Ray resource ``sm_90`` (forge_fake.py gives it to
-recipes whose build.target is not onnxruntime).
+bytes: each run writes different ones, to tell a loser's payload from the winner's), ``isa`` (the gate stage is
+keyed by the CPU's ISA class, as ONNX Runtime's build/evaluate are). ``flow(sm90=True)`` adds a stage bound to GPU
+architecture ``sm`` (default 90) that needs the custom Ray resource ``sm_90`` (forge_fake.py gives it to recipes
+whose build.target is not onnxruntime); ``flow(package=True)`` a package stage that hands off (tensorrt_llm).
+
+FORGE_TEST_ISA_CLASS emulates the CPU's ISA class in this process (a driver, or a Ray node started with it).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from pipeline import recipe_options
-from pipeline.stages.base import Stage
+from pipeline.hardware import Hardware
+from pipeline.stages.base import Stage, cpu_isa_hardware
 
 
 class FakeKnobs(BaseModel):
@@ -29,6 +33,10 @@ class FakeKnobs(BaseModel):
     none; with these fake flows any knob is accepted there (here and in every Ray worker that imports this)."""
     model_config = ConfigDict(extra="allow")
 
+
+if os.environ.get("FORGE_TEST_ISA_CLASS"):
+    import pipeline.env
+    pipeline.env.cpu_isa_class = lambda: os.environ["FORGE_TEST_ISA_CLASS"]
 
 for _key in [k for k in recipe_options.QUANTIZERS if k[1] == "none"]:
     recipe_options.QUANTIZERS[_key] = recipe_options.Quantizer(FakeKnobs)
@@ -89,9 +97,13 @@ class Gate(Stage):
     name = "gate"
     needs = ("transform",)
 
+    def hardware(self, r):
+        return cpu_isa_hardware() if _opt(r, "isa") else super().hardware(r)
+
     def run(self, ctx):
+        from pipeline.env import cpu_isa_class
         (ctx.out / "ok").write_text("ok")
-        return {"passed": True, **_where()}
+        return {"passed": True, "isa_class": cpu_isa_class(), **_where()}
 
 
 class GpuArch(Stage):
@@ -101,7 +113,7 @@ class GpuArch(Stage):
     needs = ("gate",)
 
     def hardware(self, r):
-        return f"sm{_opt(r, 'sm', 90)}"
+        return Hardware.gpu_arch(int(_opt(r, "sm", 90)), "quantize.options.sm")
 
     def gpus(self, r):
         return 0
@@ -111,5 +123,20 @@ class GpuArch(Stage):
         return _where()
 
 
-def flow(sm90: bool = False) -> list[Stage]:
-    return [Produce(), Transform(), Gate()] + ([GpuArch()] if sm90 else [])
+class Package(Stage):
+    """Hands off what the engine stage made (a Triton-like repository)."""
+    name = "package"
+    needs = ("engine",)
+    hands_off = True
+
+    def config(self, r):
+        return {"options": r.quantize.options}
+
+    def run(self, ctx):
+        (ctx.out / "model" / "1").mkdir(parents=True)
+        (ctx.out / "model" / "1" / "engine.bin").write_bytes((ctx.inputs["engine"] / "engine.bin").read_bytes())
+        return _where()
+
+
+def flow(sm90: bool = False, package: bool = False) -> list[Stage]:
+    return [Produce(), Transform(), Gate()] + ([GpuArch()] if sm90 else []) + ([Package()] if package else [])

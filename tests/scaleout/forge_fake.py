@@ -1,5 +1,5 @@
 """``python forge_fake.py ARGS...``: the real ``forge`` CLI with the fake stages of fake_stages.py as every recipe's
-flow (a recipe whose build.target is not onnxruntime gets the extra sm90 stage). Environment hooks for the failure tests:
+flow (a recipe whose build.target is not onnxruntime gets the extra sm90 stage; tensorrt_llm also a package stage). Environment hooks for the failure tests:
 
 FORGE_TEST_PAUSE_UPLOAD=path: after uploading the first payload file of an entry, write ``path`` and sleep
     (the test kills the publisher there: uploaded objects, no record).
@@ -21,7 +21,8 @@ import fake_stages  # noqa: E402
 import pipeline.runner  # noqa: E402
 from pipeline import remote_cache  # noqa: E402
 
-pipeline.runner.flow_for = lambda target: fake_stages.flow(sm90=target != "onnxruntime")
+pipeline.runner.flow_for = lambda target: fake_stages.flow(sm90=target != "onnxruntime",
+                                                           package=target == "tensorrt_llm")
 
 pause = os.environ.get("FORGE_TEST_PAUSE_UPLOAD")
 barrier = os.environ.get("FORGE_TEST_BARRIER")

@@ -191,21 +191,48 @@ def link_home(src: Path, home: Path) -> None:
             (home / sub).symlink_to(src / sub)
 
 
-def _ray_nodes(address: str, env: dict) -> list[dict]:
-    code = ("import json, ray; ray.init(address=%r, logging_level='ERROR', log_to_driver=False); "
-            "print(json.dumps([{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'resources': n['Resources']} "
-            "for n in ray.nodes() if n['Alive']]))" % address)
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    return json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else []
+# One process joins the cluster once and polls it until every node is alive with the resources it was started
+# with (a loaded machine may take minutes: a head with custom resources registers them late), then prints them.
+_WAIT_NODES = """
+import json, sys, time, ray
+address, want, deadline = sys.argv[1], json.loads(sys.argv[2]), float(sys.argv[3])
+ray.init(address=address, logging_level='ERROR', log_to_driver=False)
+def up():
+    return [{'id': n['NodeID'], 'ip': n['NodeManagerAddress'], 'resources': n['Resources']}
+            for n in ray.nodes() if n['Alive']]
+nodes = up()
+while time.time() < deadline:
+    have = {n['ip']: n['resources'] for n in nodes}
+    if all(ip in have and all(have[ip].get(k, 0) >= v for k, v in res.items()) for ip, res in want.items()):
+        break
+    time.sleep(0.5)
+    nodes = up()
+print("FORGE-TEST-NODES=" + json.dumps(nodes), flush=True)
+"""
+
+
+def _ray_nodes(address: str, env: dict, want: dict, deadline: float) -> tuple[list[dict], str]:
+    """(alive nodes once ``want`` {ip: resources} holds or the deadline passed, what went wrong)."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _WAIT_NODES, address, json.dumps(want), str(deadline)], env=env,
+                           capture_output=True, text=True, timeout=max(deadline - time.time(), 0) + 60)
+    except subprocess.TimeoutExpired:
+        return [], "the node query timed out"
+    found = [line for line in p.stdout.splitlines() if line.startswith("FORGE-TEST-NODES=")]   # Ray logs here too
+    if p.returncode == 0 and found:
+        return json.loads(found[-1].split("=", 1)[1]), ""
+    return [], (p.stderr + p.stdout)[-1500:]
 
 
 @contextlib.contextmanager
 def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None, nodes: int = 2,
-                link_from_home: Path | None = None):
+                link_from_home: Path | None = None, head_resources: dict | None = None,
+                node_env: dict | None = None, timeout_s: float = 420):
     """Ray nodes on this machine, as `ray start` makes them: a head on 127.0.0.2 and (``nodes=2``) a second node on
     127.0.0.3 (loopback addresses: Ray would turn 127.0.0.1 into the machine's network address), one CPU each, a
     small object store, each with its own FORGE_HOME (``link_from_home``: its data/models/gguf linked in); the
-    second advertises ``second_node_resources``."""
+    head advertises ``head_resources``, the second ``second_node_resources``; ``node_env``: {ip: extra env}.
+    Waits (``timeout_s``, generous: a loaded machine is slow) until every node is alive with its resources."""
     ray = str(Path(sys.executable).parent / "ray")
     temp = tempfile.mkdtemp(prefix="fr", dir="/tmp")     # short: Ray's unix socket paths must fit
     port = free_port()
@@ -217,35 +244,62 @@ def ray_cluster(tmp: Path, env: dict, second_node_resources: dict | None = None,
         home.mkdir(parents=True, exist_ok=True)
         if link_from_home is not None:
             link_home(link_from_home, home)
-        node_env = {**env, "FORGE_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
-        node_env.pop("FORGE_CACHE", None)
+        this_env = {**env, **(node_env or {}).get(ip, {}), "FORGE_HOME": str(home), "RAY_USAGE_STATS_ENABLED": "0"}
+        this_env.pop("FORGE_CACHE", None)
         cmd = [ray, "start", "--block", f"--node-ip-address={ip}", "--num-cpus=1", "--object-store-memory=80000000",
                "--disable-usage-stats", "--include-log-monitor=false", f"--temp-dir={temp}",
                f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
                f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}", *args]
-        log = open(tmp / f"ray-{ip}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=node_env, stdout=log, stderr=subprocess.STDOUT,
+        log = open(tmp / f"ray-{ip}.log", "a")
+        procs.append(subprocess.Popen(cmd, env=this_env, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
 
-    def wait_for(n: int) -> list[dict]:
-        t0 = time.time()
+    deadline = time.time() + timeout_s
+    want: dict = {}
+    # `ray start` gives its node 30 s (hard-coded in ray/_private/node.py) to register with the GCS: on a loaded
+    # machine it may not, and exits; it is started again (fresh ports for a head) until the deadline
+
+    def wait_for(ip: str, resources: dict, proc: subprocess.Popen) -> list[dict] | None:
+        """Every node so far alive with its resources (None: ``proc``, this node's `ray start`, exited)."""
+        want[ip] = {"CPU": 1, **resources}
         while True:
-            nodes = _ray_nodes(address, env)
-            if len(nodes) >= n:
-                return nodes
+            up, problem = _ray_nodes(address, env, want, min(deadline, time.time() + 20))
+            have = {n["ip"]: n["resources"] for n in up}
+            if all(i in have and all(have[i].get(k, 0) >= v for k, v in r.items()) for i, r in want.items()):
+                return up
+            if proc.poll() is not None:
+                return None
             dead = [p for p in procs if p.poll() is not None]
-            if dead or time.time() - t0 > 150:
+            if dead or time.time() > deadline:
                 logs = "\n".join(f.read_text()[-1500:] for f in tmp.glob("ray-*.log"))
-                raise RuntimeError(f"Ray cluster did not come up ({len(nodes)} of {n} nodes):\n{logs}")
+                raise RuntimeError(f"Ray cluster did not come up in {timeout_s:.0f} s ({len(up)} of {len(want)} "
+                                   f"nodes with their resources; wanted {want}, have {have}; "
+                                   f"{'a node exited' if dead else problem}):\n{logs}")
             time.sleep(1)
 
+    def bring_up(ip: str, resources: dict, args) -> list[dict]:
+        nonlocal address
+        attempt = 0
+        while True:
+            if ip == "127.0.0.2" and attempt:       # a head again: on fresh ports
+                address = f"127.0.0.2:{free_port()}"
+            start(ip, *args(), f"--resources={json.dumps(resources)}")
+            up = wait_for(ip, resources, procs[-1])
+            if up is not None:
+                return up
+            kill_tree(procs.pop())
+            attempt += 1
+            if time.time() > deadline:
+                break
+        logs = "\n".join(f.read_text()[-1500:] for f in tmp.glob("ray-*.log"))
+        raise RuntimeError(f"Ray cluster did not come up: `ray start` on {ip} exited {attempt} times in {timeout_s:.0f} s:\n{logs}")
+
     try:
-        start("127.0.0.2", "--head", f"--port={port}", "--include-dashboard=false",
-              f"--ray-client-server-port={free_port()}")
-        up = wait_for(1)
+        up = bring_up("127.0.0.2", head_resources or {}, lambda: (
+            "--head", f"--port={address.rsplit(':', 1)[1]}", "--include-dashboard=false",
+            f"--ray-client-server-port={free_port()}"))
         if nodes > 1:
-            start("127.0.0.3", f"--address={address}", f"--resources={json.dumps(second_node_resources or {})}")
-            up = wait_for(2)
+            up = bring_up("127.0.0.3", second_node_resources or {}, lambda: (f"--address={address}",))
         yield RayCluster(address, {n["ip"]: n["id"] for n in up}, {n["ip"]: tmp / f"node-{n['ip']}" for n in up})
     finally:
         for p in reversed(procs):

@@ -11,7 +11,7 @@ from pipeline.recipe import resolve
 from pipeline.remote_cache import RemoteStore
 from pipeline.stages import flow_for
 
-CPU_NODE = Node("a" * 56, "10.0.0.1", {"CPU": 8.0})
+CPU_NODE = Node("a" * 56, "10.0.0.1", {"CPU": 8.0, "isa:x86_64-avx2": 1.0})
 H100_x8 = Node("b" * 56, "10.0.0.2", {"CPU": 64.0, "GPU": 8.0, "sm_90": 8.0})
 A100_x2 = Node("c" * 56, "10.0.0.3", {"CPU": 16.0, "GPU": 2.0, "sm_80": 2.0})
 
@@ -32,7 +32,13 @@ def test_trtllm_engine_stages_ask_for_tp_x_pp_gpus_of_their_architecture(tp, pp)
         assert request(stages[name], r) == {"CPU": 1.0}, name
 
 
-def test_placement_by_resources():
+@pytest.fixture
+def avx2_driver(monkeypatch):
+    """The driver's CPU emulated as x86_64-avx2 (the tests hold on every ISA class)."""
+    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-avx2")
+
+
+def test_placement_by_resources(avx2_driver):
     r = resolve("qwen7b-int8", ["build.tensorrt_llm.tp=2", "build.tensorrt_llm.gpu_sm=90"])
     stages = _stages(r)
     nodes = [CPU_NODE, H100_x8, A100_x2]

@@ -1,5 +1,9 @@
 """forge build/plan --executor ray on a local two-node Ray cluster (head 127.0.0.2, a second node 127.0.0.3 that
-advertises a fake ``sm_90``), artifacts only through the shared cache on a real S3 server (SeaweedFS)."""
+advertises a fake ``sm_90``), artifacts only through the shared cache on a real S3 server (SeaweedFS).
+
+CPU ISA classes are emulated (FORGE_TEST_ISA_CLASS, tests/scaleout/fake_stages.py): the head is an x86_64-avx2
+node, the second an x86_64-avx512vnni node that also advertises ``isa:x86_64-amx``, a class it does not have (a
+misconfigured node, which must refuse what it is sent)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from servers import HERE, REPO, ray_cluster  # noqa: E402
 
-WORKER_IP = "127.0.0.3"
+HEAD_IP, WORKER_IP = "127.0.0.2", "127.0.0.3"
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +28,11 @@ def cluster(s3_server, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "RAY_"))}
     env.update(s3_server.env(), PYTHONPATH=f"{REPO}:{HERE}", FORGE_PROGRESS="0")
     try:
-        with ray_cluster(tmp_path_factory.mktemp("ray"), env, {"sm_90": 1}) as c:
+        with ray_cluster(tmp_path_factory.mktemp("ray"), env,
+                         {"sm_90": 1, "isa:x86_64-avx512vnni": 1, "isa:x86_64-amx": 1},
+                         head_resources={"isa:x86_64-avx2": 1},
+                         node_env={HEAD_IP: {"FORGE_TEST_ISA_CLASS": "x86_64-avx2"},
+                                   WORKER_IP: {"FORGE_TEST_ISA_CLASS": "x86_64-avx512vnni"}}) as c:
             yield c
     except RuntimeError as e:
         pytest.fail(str(e))
@@ -135,3 +144,52 @@ def test_killed_worker_is_retried_and_the_build_matches_a_local_one(cluster, sha
     assert set(ray_report) == set(local_report)
     assert [set(s) for s in ray_report["stages"]] == [set(s) for s in local_report["stages"]]
     assert all(s["node"] == {} for s in local_report["stages"]) and all(s["node"]["ip"] for s in ray_report["stages"])
+
+
+def test_isa_keyed_stages_run_only_on_nodes_of_the_drivers_class(cluster, shared):
+    fi = shared.recipe("fi", isa=True)
+    for isa, ip in (("x86_64-avx512vnni", WORKER_IP), ("x86_64-avx2", HEAD_IP)):
+        m = shared.machine(f"driver-{isa}", FORGE_TEST_ISA_CLASS=isa)
+        m.forge(*_ray(cluster, "build", fi))
+        gate = _stages(m.report("fi"))["gate"]
+        assert gate["status"] == "built" and gate["node"]["ip"] == ip, (isa, gate)
+        assert gate["metrics"]["isa_class"] == isa            # measured on the class its key names
+        assert gate["components"]["hardware"] == f"cpu:{isa}"     # ...and its key names
+
+    # a class no node advertises: not submitted, said with the command that makes a node advertise its class
+    m = shared.machine("driver-sve", FORGE_TEST_ISA_CLASS="aarch64-sve")
+    m.forge(*_ray(cluster, "build", fi), check=3)
+    gate = _stages(m.report("fi"))["gate"]
+    assert gate["status"] == "cannot-run-here" and not gate["node"]
+    assert "isa:aarch64-sve" in gate["message"] and "python -m pipeline.ray_executor --node-resources" in gate["message"]
+
+    # a node that advertises a class it does not have: it refuses the stage instead of storing a mislabelled result
+    m = shared.machine("driver-amx", FORGE_TEST_ISA_CLASS="x86_64-amx")
+    m.forge(*_ray(cluster, "build", fi), check=1)
+    gate = _stages(m.report("fi"))["gate"]
+    assert gate["status"] == "failed" and gate["node"]["ip"] == WORKER_IP
+    assert "'cpu:x86_64-avx512vnni' but the driver keyed the stage with 'cpu:x86_64-amx'" in gate["message"]
+    assert "--node-resources" in gate["message"]
+
+
+def test_the_drivers_outputs_are_local(cluster, shared):
+    """The package is fetched into the driver's cache layer and out/<recipe>/triton_repo links there; report.json
+    names no path in a worker's FORGE_HOME (which does not exist on the driver's machine of a real cluster)."""
+    m = shared.machine("driver")
+    fp = shared.recipe("fp", target="tensorrt_llm", tag=uuid.uuid4().hex)     # a package no node has yet
+    m.forge(*_ray(cluster, "build", fp))
+    report = m.report("fp")
+    stages = _stages(report)
+    assert stages["package"]["status"] == "built"             # (the rest may be in a node's layer already)
+    assert stages["package"]["node"]["ip"] in cluster.nodes     # built by a worker, in that node's FORGE_HOME
+    repo = m.cwd / "out" / "fp" / "triton_repo"
+    assert repo.is_symlink() and repo.resolve().is_relative_to(m.home.resolve())
+    assert (repo / "model" / "1" / "engine.bin").read_bytes() == b"sm90" * 64
+    assert stages["package"]["payload"] == str(repo.resolve())
+    homes = [str(h.resolve()) for h in cluster.homes.values()]
+    for s in report["stages"]:
+        p = s["payload"]
+        assert p.startswith(shared.url + "/") or Path(p).resolve().is_relative_to(m.home.resolve()), s
+        assert not any(p.startswith(h) for h in homes), s
+    # the stages the driver does not link were not downloaded to it
+    assert m.local_keys() == {stages["package"]["key"]}

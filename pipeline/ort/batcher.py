@@ -89,7 +89,8 @@ class ContinuousBatcher:
         self.max_queue = int(max_queue)
         self.max_rows = int(max_batch) if batched else 1
         self.continuous = getattr(engine, "layout", None) == "shared" and getattr(engine, "device", "cpu") == "cpu"
-        self._sample = importlib.import_module(type(engine).__module__).sample_next
+        # the engine's own sampler (the same draws as engine.generate); whole-batch engines sample themselves
+        self._sample = getattr(importlib.import_module(type(engine).__module__), "sample_next", None)
         self._waiting: collections.deque[Job] = collections.deque()
         self._cond = threading.Condition()
         self._rows: list[Job] = []

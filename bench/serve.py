@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -49,12 +50,21 @@ def drive(http_url: str, grpc_url: str, proto: str, gens: list[dict], n_new: int
     else:
         import tritonclient.grpc as mod
         make = lambda: mod.InferenceServerClient(grpc_url)  # noqa: E731
-    clients = [make() for _ in range(concurrency)]
+    # one client per worker thread (a tritonclient client is not safe to share between threads: sharing one
+    # over HTTP lost a request in the first run of this bench)
+    local, clients, lock = threading.local(), [], threading.Lock()
     lat, mism, errors, toks, msgs = [], 0, 0, 0, []
+
+    def client():
+        if not hasattr(local, "c"):
+            local.c = make()
+            with lock:
+                clients.append(local.c)
+        return local.c
 
     def one(i):
         g = gens[i % len(gens)]
-        c = clients[i % concurrency]
+        c = client()
         t0 = time.perf_counter()
         try:
             res = c.infer("ensemble", _inputs(mod, g["prompt"], n_new))

@@ -76,7 +76,9 @@ def test_full_queue_answers_unavailable_naming_the_key(built, tmp_path):
     cfg = small / "onnxruntime_llm" / "config.pbtxt"
     text = cfg.read_text()
     assert "max_queue_size" in text
-    cfg.write_text(re.sub(r'(key: "max_queue_size"\s*value: \{\s*string_value: )"\d+"', r'\1"1"', text))
+    small_text = re.sub(r'(key: "max_queue_size"\s*value\s*\{\s*string_value: )"\d+"', r'\1"1"', text)
+    assert small_text != text
+    cfg.write_text(small_text)
 
     def call(i):
         g = gens[i % len(gens)]

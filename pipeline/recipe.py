@@ -321,6 +321,8 @@ class TritonSection(Section):
     decoupled: bool = False
     instance_count: int = Field(1, ge=1, le=256)
     max_queue_delay_microseconds: int = Field(0, ge=0, le=60_000_000)
+    max_queue_size: int = Field(64, ge=1, le=100_000, description="onnxruntime target: requests that may wait for a "
+                                "free batch row; beyond it the server answers UNAVAILABLE (HTTP 503)")
     kv_cache_free_gpu_mem_fraction: float = Field(0.9, gt=0, lt=1, description="fraction of free GPU memory for the paged "
                                                   "KV cache; TensorRT-LLM's executor requires 0 < f < 1")
     enable_kv_cache_reuse: bool = False

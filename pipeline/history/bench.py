@@ -37,7 +37,21 @@ def flat(res: dict) -> dict:
         "ttft_s": (res.get("ttft") or {}).get("median_s"),
         "size_bytes": res.get("size_bytes"),
         "peak_rss_bytes": res.get("peak_rss_bytes"),
-    }
+    } if "serve" not in res else serve_flat(res["serve"])
+
+
+def serve_flat(serve: dict) -> dict:
+    """Headline numbers of bench/serve.py: req/s at concurrency 1 and 16 over c1, per protocol; mismatches."""
+    out = {}
+    for proto, levels in serve.get("protocols", {}).items():
+        c1 = (levels.get("1") or {}).get("req_s")
+        out[f"serve_{proto}_c1_req_s"] = c1
+        for c in ("4", "16"):
+            cn = (levels.get(c) or {}).get("req_s")
+            out[f"serve_{proto}_c{c}_over_c1"] = cn / c1 if cn and c1 else None
+    out["serve_mismatches"] = serve.get("mismatches")
+    out["serve_errors"] = serve.get("errors")
+    return out
 
 
 def engine_key(path: str) -> str | None:

@@ -285,7 +285,9 @@ class History:
                      gates: list[dict], status: str | None) -> None:
         """Bench figures of a night's engine (+ the bench rules' verdicts, and the night's new status)."""
         with self._write():
-            self.db.execute("DELETE FROM bench WHERE run_id=?", (run_id,))
+            # only the figures given are replaced: the serving bench (bench/serve.py) adds serve_* figures to
+            # a night that bench/run.py already measured
+            self.db.executemany("DELETE FROM bench WHERE run_id=? AND name=?", [(run_id, k) for k in figures])
             self.db.executemany("INSERT INTO bench VALUES (?,?,?)", [(run_id, k, _num(v)) for k, v in figures.items()])
             self.db.execute("INSERT OR REPLACE INTO bench_runs VALUES (?,?,?,?,?)",
                             (run_id, recorded, source, label, json.dumps(facts, sort_keys=True, default=str)))

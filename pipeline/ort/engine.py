@@ -145,14 +145,18 @@ class KVCache:
     ``concat`` layout: the last presents (ORT-allocated, [B, kv, past, hd]); ``mask`` holds the attention mask
     of every position so far (0 where a right-padded prompt left a hole)."""
 
-    def __init__(self, engine: "OrtEngine", batch: int, capacity: int):
+    def __init__(self, engine: "OrtEngine", batch: int, capacity: int, *, host: bool = False):
         self.batch, self.capacity, self.layout = batch, capacity, engine.layout
         self.lengths = np.zeros(batch, np.int64)   # tokens stored per row
         self.width = 0                              # positions used (= attention-mask width)
         shape = [batch, engine.num_kv_heads, capacity if self.layout == "shared" else 0, engine.head_dim]
-        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device,
+        # host: numpy buffers the OrtValues alias (CPU, shared layout), so rows can be copied between caches
+        # (the continuous batcher moves a request's K/V when requests join or leave a batch)
+        self.arrays = [np.zeros(shape, engine.kv_dtype) for _ in engine.past_names] if host else None
+        self.values = ([ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays] if host else
+                       [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device,
                                                                    engine.device_id)
-                       for _ in engine.past_names]
+                        for _ in engine.past_names])
         self.mask = np.zeros((batch, 0), np.int64) if self.layout == "concat" else None
         self._io = None
 

@@ -24,6 +24,7 @@ from pipeline.triton.pbtxt import params, parse_all_configs, tensor, write_confi
 ENGINE_MODEL = "onnxruntime_llm"
 GRAPH_MODEL = "llm_graph"
 DEFAULT_ENGINE_MODULE = Path(__file__).resolve().parents[1] / "ort" / "engine.py"
+BATCHER_MODULE = Path(__file__).resolve().parents[1] / "ort" / "batcher.py"   # copied as forge_batcher.py
 STUB_IMPORTS = {"numpy", "onnxruntime", "tokenizers"}
 
 _ONNX_TO_TRITON = {1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UINT16", 5: "TYPE_INT16", 6: "TYPE_INT32",
@@ -119,6 +120,7 @@ def triton_options(recipe: dict) -> dict:
     t.setdefault("instance_count", 1)
     t.setdefault("max_queue_delay_microseconds", 0)
     t.setdefault("decoupled", False)
+    t.setdefault("max_queue_size", 64)
     return t
 
 
@@ -142,6 +144,7 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
     if not module.exists():
         raise ForgeError(f"engine module {module} not found; it is copied into the repository as forge_ort_engine.py")
     check_engine_module(module)
+    check_engine_module(BATCHER_MODULE)
     opts = triton_options(recipe)
     threads = int((((recipe or {}).get("build") or {}).get("onnxruntime") or {}).get("intra_op_threads", 0) or 0)
     mbs, inst = int(opts["max_batch_size"]), int(opts["instance_count"])
@@ -165,10 +168,12 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
            "input": [tensor(n, dt, dims, optional=o) for n, dt, dims, o in templates.ENGINE_INPUTS],
            "output": [tensor(n, dt, dims) for n, dt, dims in templates.ENGINE_OUTPUTS],
            "parameters": params(engine_dir=f"../{GRAPH_MODEL}/1", engine_module="forge_ort_engine", engine_class="OrtEngine",
-                                intra_op_threads=threads, max_new_tokens=max_new_tokens, **gpu),
+                                intra_op_threads=threads, max_new_tokens=max_new_tokens,
+                                max_queue_size=int(opts["max_queue_size"]), **gpu),
            "instance_group": [{"count": inst, "kind": kind}]}
     write_config(out / ENGINE_MODEL, eng)
-    templates.copy_python_model("ort_llm", out / ENGINE_MODEL, {"forge_ort_engine.py": module})
+    templates.copy_python_model("ort_llm", out / ENGINE_MODEL, {"forge_ort_engine.py": module,
+                                                                "forge_batcher.py": BATCHER_MODULE})
 
     models = ["ensemble", "preprocessing", ENGINE_MODEL, "postprocessing", GRAPH_MODEL]
     if include_bls:

@@ -224,3 +224,23 @@ def test_read_only_history_refuses_a_missing_file(tmp_path):
     with pytest.raises(HistoryUnavailable, match="no run history at"):
         History(tmp_path / "none.sqlite", read_only=True)
     assert not (tmp_path / "none.sqlite").exists()
+
+
+def test_serving_bench_figures_join_the_nights_other_bench_figures(tmp_path):
+    """bench/serve.py's figures are added next to bench/run.py's on the same night (add-bench of serve.json must
+    not wipe the prefill/decode figures), and a re-measured figure replaces its old value."""
+    from pipeline.history.bench import flat
+
+    h = History(tmp_path / "h.sqlite")
+    rid = h.record(make_run())
+    kw = dict(source="x", label="l", facts={}, recorded="2026-12-01T03:00:00Z", gates=[], status=None)
+    h.attach_bench(rid, {"prefill_b4": 900.0, "decode_b1": 80.0}, **kw)
+    serve = {"serve": {"protocols": {"http": {"1": {"req_s": 2.0}, "4": {"req_s": 5.0}, "16": {"req_s": 7.0}}},
+                       "mismatches": 0, "errors": 0}}
+    figs = flat(serve)
+    assert figs["serve_http_c1_req_s"] == 2.0 and figs["serve_http_c16_over_c1"] == 3.5
+    assert figs["serve_http_c4_over_c1"] == 2.5 and figs["serve_mismatches"] == 0
+    h.attach_bench(rid, {k: v for k, v in figs.items() if v is not None}, **kw)
+    h.attach_bench(rid, {"decode_b1": 81.0}, **kw)
+    got = dict(h.db.execute("SELECT name, value FROM bench WHERE run_id=?", (rid,)).fetchall())
+    assert got["prefill_b4"] == 900.0 and got["decode_b1"] == 81.0 and got["serve_http_c16_over_c1"] == 3.5

@@ -18,6 +18,7 @@ import importlib
 import json
 import os
 import sys
+import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -49,6 +50,18 @@ class TritonPythonModel:
         else:
             self.engine = engine_cls(engine_dir, threads)
         self.max_new_tokens_cap = int(_param(cfg, "max_new_tokens", "4096"))
+        # rows of different requests share graph calls only when the engine says its rows are independent of
+        # their batch-mates (forge_ort.json batch_invariant); a quantized engine that does not say so runs one
+        # request at a time, as its greedy tokens were validated. Unquantized (FP32/FP16) graphs have no
+        # batch-wide scales: tests/ort/test_batcher.py measures their batched tokens equal to each prompt alone.
+        self.batcher_module = importlib.import_module(_param(cfg, "batcher_module", "forge_batcher"))
+        meta = dict(getattr(self.engine, "meta", None) or {})
+        if "batch_invariant" not in meta:
+            meta["batch_invariant"] = (meta.get("quantization") or {}).get("algo", "none") == "none"
+        self.decoupled = bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))
+        self.batcher = self.batcher_module.ContinuousBatcher(
+            self.engine, max_batch=int(cfg.get("max_batch_size") or 1), max_queue=int(_param(cfg, "max_queue_size", "64")),
+            batched=bool(meta.get("batch_invariant", False))).start()
 
     @staticmethod
     def _opt(request, name, batch, default, dtype):
@@ -82,47 +95,83 @@ class TritonPythonModel:
                           "eos_token_id": eos if eos >= 0 else None}))
         return rows
 
-    def _generate(self, rows):
-        """All rows of all requests Triton batched together go through the engine as ONE batch (prompts of
-        different lengths, each with its own settings); engines without generate_batch, or whose numbers depend on
-        the batch (dynamic INT8: one activation scale per tensor), run row by row, as they were validated."""
-        if hasattr(self.engine, "generate_batch") and len(rows) > 1 and getattr(self.engine, "batch_invariant", True):
-            keys = ("max_new_tokens", "greedy", "temperature", "top_k", "top_p", "seed", "eos_token_id")
-            return self.engine.generate_batch([p for p, _ in rows], **{k: [o[k] for _, o in rows] for k in keys})
-        return [self.engine.generate(p, o["max_new_tokens"], **{k: v for k, v in o.items() if k != "max_new_tokens"})
-                for p, o in rows]
-
     def execute(self, requests):
-        responses = [None] * len(requests)
-        parsed = []
-        for i, request in enumerate(requests):
+        """Hand each request's rows to the continuous batcher and return at once (None): the batcher thread
+        answers through each request's response sender (python_backend README "Default Mode": since 24.06 a
+        non-decoupled model may send its one response with InferenceResponseSender and the
+        TRITONSERVER_RESPONSE_COMPLETE_FINAL flag; src/pb_stub.cc ProcessReturnedResponses accepts a None return;
+        triton-inference-server/python_backend@f9088ff6). Triton then hands the next requests to execute while
+        earlier ones decode, and they join the running batch between decode steps."""
+        for request in requests:
+            sender = request.get_response_sender()
             try:
-                parsed.append((i, self._parse(request)))
+                rows = self._parse(request)
             except Exception as e:
-                responses[i] = self._error(e)
-        rows = [r for _, rs in parsed for r in rs]
-        try:
-            outs = self._generate(rows) if rows else []
-        except Exception as e:
-            for i, _ in parsed:
-                responses[i] = self._error(e)
-            return responses
-        k = 0
-        for i, rs in parsed:
-            gens, k = outs[k:k + len(rs)], k + len(rs)
-            width = max(1, max(len(g) for g in gens))
-            output_ids = np.full((len(gens), 1, width), -1, np.int32)
-            seq_len = np.zeros((len(gens), 1), np.int32)
-            for b, g in enumerate(gens):
-                output_ids[b, 0, : len(g)] = g
-                seq_len[b, 0] = len(g)
-            responses[i] = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor("output_ids", output_ids), pb_utils.Tensor("sequence_length", seq_len)])
-        return responses
+                sender.send(self._error(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                continue
+            answer = _Answer(sender, len(rows), self.decoupled)
+            jobs = [self.batcher_module.Job(p, o["max_new_tokens"], **{k: v for k, v in o.items() if k != "max_new_tokens"},
+                                            on_done=answer.done(b), on_token=answer.token(b) if self.decoupled else None,
+                                            cancelled=sender.is_cancelled)
+                    for b, (p, o) in enumerate(rows)]
+            try:
+                self.batcher.submit(jobs)
+            except self.batcher_module.QueueFull as e:
+                sender.send(self._error(e, pb_utils.TritonError.UNAVAILABLE),
+                            flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as e:
+                sender.send(self._error(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
 
     @staticmethod
-    def _error(e):
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"{type(e).__name__}: {e}"))
+    def _error(e, code=None):
+        msg = f"{type(e).__name__}: {e}"
+        err = pb_utils.TritonError(msg) if code is None else pb_utils.TritonError(msg, code)
+        return pb_utils.InferenceResponse(output_tensors=[], error=err)
 
     def finalize(self):
+        self.batcher.stop()
         self.engine = None
+
+
+def _tensors(gens):
+    width = max(1, max(len(g) for g in gens))
+    output_ids = np.full((len(gens), 1, width), -1, np.int32)
+    seq_len = np.zeros((len(gens), 1), np.int32)
+    for b, g in enumerate(gens):
+        output_ids[b, 0, : len(g)] = g
+        seq_len[b, 0] = len(g)
+    return [pb_utils.Tensor("output_ids", output_ids), pb_utils.Tensor("sequence_length", seq_len)]
+
+
+class _Answer:
+    """One request's rows (usually one): the final response once every row is done. Decoupled: each new token
+    of a one-row request is sent as it is picked (streaming), then a final flag-only response."""
+
+    def __init__(self, sender, rows, stream):
+        self.sender, self.gens, self.left, self.error = sender, [None] * rows, rows, None
+        self.stream = stream and rows == 1
+        self.lock = threading.Lock()
+
+    def token(self, b):
+        def on_token(job, tok):
+            if self.stream:
+                self.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors([[tok]])))
+        return on_token
+
+    def done(self, b):
+        def on_done(job, error):
+            with self.lock:
+                self.gens[b] = job.tokens
+                self.error = self.error or error
+                self.left -= 1
+                if self.left:
+                    return
+            final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            if self.error is not None:
+                self.sender.send(TritonPythonModel._error(self.error), flags=final)
+            elif self.stream:
+                self.sender.send(flags=final)
+            else:
+                self.sender.send(pb_utils.InferenceResponse(output_tensors=_tensors(self.gens)), flags=final)
+        return on_done

@@ -52,7 +52,7 @@ CASES = {
         "build": GPU_SM90}),
     "tensorrt_llm": ("qwen7b-int8", ["build.tensorrt_llm.gpu_sm=90", "build.tensorrt_llm.tp=1"], {
         "source": CPU1, "quantize": CPU1, "checkpoint": CPU1, "evaluate_checkpoint": CPU1,
-        "validate_checkpoint": CPU1, "build": GPU_SM90, "evaluate": GPU_SM90, "validate": CPU1,
+        "validate_checkpoint": CPU1, "build": GPU_SM90, "evaluate": GPU_SM90, "validate": CPU1, "build_deploy": GPU_SM90,
         "package": GPU_SM90}),
 }
 

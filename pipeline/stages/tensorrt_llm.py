@@ -219,7 +219,7 @@ class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
 
 class TrtllmPackage(OnTrtllmGpu, PackageStage):
     """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
-    version = "4"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3)
+    version = "5"   # 5: the manifest lists the repository's empty folders and no regression rules (issue 24); 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3)
     tools = TRTLLM_TOOLS
 
     def gpus(self, r):

@@ -91,6 +91,7 @@ class Gate(Stage):
 
     def run(self, ctx):
         (ctx.out / "ok").write_text("ok")
+        (ctx.out / "model" / "1").mkdir(parents=True)     # an empty folder, as Triton's ensemble/1/
         return {"passed": True, **_where()}
 
 

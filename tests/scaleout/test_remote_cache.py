@@ -102,7 +102,7 @@ def test_flipped_byte_in_the_bucket_is_detected_and_rebuilt(shared):
     assert [got[n]["status"] for n in ("produce", "transform", "gate")] == ["hit", "built", "built"]
     assert "did not verify" in got["transform"]["message"] and "big.bin" in got["transform"]["message"]
     assert got["transform"]["key"] == key and got["gate"]["key"] == first["gate"]["key"]   # same bytes again
-    assert len(shared.keys("quarantine/")) == 1
+    assert len([q for q in shared.keys("quarantine/") if key in q]) == 1     # (and gate's, replaced by --force)
     assert "0 corrupt entries" in b.forge("cache", "verify").stdout      # the republished entry verifies
 
 

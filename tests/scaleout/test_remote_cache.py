@@ -230,3 +230,44 @@ def test_unreachable_ray_head_is_a_clear_error(shared):
         err = " ".join(p.stderr.split())
         assert f"cannot reach the Ray head at {address}" in err and "ray start --head" in err, err
         assert "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_package_built_in_one_home_serves_in_another(shared, default_build, default_package, default_overrides):
+    """The default recipe's package (built once per session, in the user's FORGE_HOME) goes through the bucket to a
+    home that never built it: `forge serve RECIPE` there fetches it (empty version folders included) and answers."""
+    import threading
+    import urllib.request
+
+    from pipeline.env import forge_home
+    from pipeline.triton.serve import find_tritonserver, free_port
+    try:
+        find_tritonserver()
+    except Exception as e:      # noqa: BLE001 - the serve tests' own skip reason
+        pytest.skip(f"tritonserver missing: {e}")
+    recipe = default_build[0].name
+    sets = [x for o in default_overrides for x in ("--set", o)]
+    a, b = shared.machine("a"), shared.machine("b")
+    a.env["FORGE_HOME"] = str(forge_home())     # every stage a local hit there: published to the bucket now
+    a.forge("build", recipe, *sets, real=True, timeout=900)
+    link_home(forge_home(), b.home)             # the converted model only (the plan's source key reads it)
+    port = free_port()
+    p = b.forge("serve", recipe, *sets, "--port", port, real=True, wait=False)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    try:
+        t0 = time.time()
+        while not any("Ctrl-C stops it" in x for x in lines):
+            assert p.poll() is None, p.stderr.read()
+            assert time.time() - t0 < 300, "forge serve never reported the endpoints"
+            time.sleep(0.3)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/ensemble/generate", method="POST",
+                                     data=json.dumps({"text_input": "The capital of France is", "max_tokens": 4}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(60)
+    assert isinstance(answer.get("text_output"), str) and answer["text_output"].strip()
+    package = {s["name"]: s for s in a.report(recipe)["stages"]}["package"]["key"]
+    assert b.local_keys() == {package}          # only the package came down

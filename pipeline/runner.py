@@ -190,7 +190,7 @@ class Runner:
         metrics: dict[str, dict] = {}
         keys: dict[str, str] = {}
         self._components: dict[str, dict] = {}
-        self._pending = {}
+        self._pending, self._found = {}, {}
         stop = False
         for s in self.stages:
             if stop:
@@ -213,7 +213,7 @@ class Runner:
                 on_stage(res)
             if res.status in (Status.HIT, Status.BUILT):
                 try:
-                    found = self._found.get(res.key)
+                    found = self._found.get(res.key) if res.status == Status.HIT else None
                     if found is not None and found.entry is None:   # in the shared store: fetched when needed
                         digests[s.name] = found.meta["payload_digest"]
                         self._pending[s.name] = res.key

@@ -490,10 +490,10 @@ def cache_verify(cache_offline: bool = OfflineOpt):
 @cache_app.command("gc")
 def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", help="keep only entries of these recipes' last builds"),
              older_than: Optional[float] = typer.Option(None, "--older-than", help="hours after which temp dirs (local; "
-                                                        "default 1) and uploads no entry record names (shared store; "
+                                                        "default 1) and blobs no entry record names (shared store; "
                                                         "default 24) are removed"),
              cache_offline: bool = OfflineOpt):
-    """Remove temp dirs of dead runs (and, in a shared store, uploads of killed or losing publishers); with --keep,
+    """Remove temp dirs of dead runs (and, in a shared store, blobs of killed or losing publishers); with --keep,
     also entries no listed recipe's last build uses (in the store: the last build any machine recorded)."""
     from .remote_cache import ORPHAN_GRACE_S
     c = _open_cache(cache_offline)

@@ -3,7 +3,7 @@
 Layout under the cache root (``FORGE_CACHE``, default ``~/.cache/forge/artifacts``)::
 
     entries/<key[:2]>/<key>/payload/...   the stage's artifact, immutable once committed
-    entries/<key[:2]>/<key>/meta.json     key components, payload digest, metrics
+    entries/<key[:2]>/<key>/meta.json     key components, payload digest (files and empty folders), metrics, dirs
     index/<recipe>/<stage>.json           components of the last build, for "why did this re-run"
     locks/<key>.lock                      one builder per key at a time
     tmp/                                  work in progress; never read as an entry
@@ -15,7 +15,9 @@ cache); a corrupted entry is moved aside and rebuilt. Failures are never written
 With a shared store (``FORGE_CACHE=s3://bucket/prefix``, :mod:`pipeline.remote_cache`) this directory
 (``FORGE_HOME/artifacts``) is a read-through layer in front of it: a miss here that the store has is downloaded
 once, verified and committed here; an entry committed here is published to the store first (and a local hit
-the store lacks is published then), so every machine sharing the bucket sees every build.
+the store lacks is published then), so every machine sharing the bucket sees every build. The runner downloads an
+entry only when it is needed here (:meth:`ArtifactCache.locate` finds it without downloading): a stage that runs
+reads its inputs, and a build's outputs (the package) are fetched; a hit nothing here reads stays in the store.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from filelock import FileLock, Timeout
 
 from .env import atomic_write, cache_root, publish_dir, remote_cache_url
 from .errors import ForgeError
-from .hashing import sha256_json, tree_digest
+from .hashing import empty_dirs, sha256_json, tree_digest
 from .status import Status
 
 
@@ -55,6 +57,7 @@ class BadEntry(Exception):
 class Entry:
     key: str
     path: Path
+    source: str = "local"       # where it was found: "local" (this layer) or the shared store's URL (downloaded now)
 
     @property
     def payload(self) -> Path:
@@ -90,6 +93,16 @@ def open_cache(offline: bool = False) -> "ArtifactCache":
     return ArtifactCache(remote=remote)
 
 
+@dataclass
+class Found:
+    """An entry found without downloading it (:meth:`ArtifactCache.locate`): ``entry`` is set when it is in this
+    layer; otherwise it is in the shared store at ``source`` and :meth:`ArtifactCache.get` downloads it."""
+    key: str
+    meta: dict
+    source: str
+    entry: Entry | None = None
+
+
 class ArtifactCache:
     def __init__(self, root: Path | None = None, remote=None):
         self.root = Path(root or default_root())
@@ -120,6 +133,19 @@ class ArtifactCache:
             self._ensure_published(entry)
             return entry
         return self._fetch(key)
+
+    def locate(self, key: str, use_stat_cache: bool = True) -> Found | None:
+        """The intact entry of ``key`` here (published to the shared store if it lacks it), or the shared store's
+        record of it, without downloading anything; None when neither has it. A corrupt local entry is set aside."""
+        entry = self._get_local(key, True, use_stat_cache)
+        if entry is not None:
+            if self.remote is not None:
+                self._ensure_published(entry)
+            return Found(key, entry.meta, "local", entry)
+        if self.remote is None:
+            return None
+        rec = self.remote.record(key)
+        return Found(key, rec, self.remote.url) if rec is not None else None
 
     def _get_local(self, key: str, verify: bool = True, use_stat_cache: bool = True) -> Entry | None:
         d = self._entry_dir(key)
@@ -183,7 +209,9 @@ class ArtifactCache:
                     self.notes[key] = (f"the shared cache's entry did not verify ({e}): set aside in "
                                        f"{self.remote.url}/quarantine/")
                     return None
-                return self._commit_local(key, out, rec)
+                entry = self._commit_local(key, out, rec)
+                entry.source = self.remote.url
+                return entry
 
     def _ensure_published(self, entry: Entry) -> None:
         """A local entry the shared store lacks (built offline, or set aside there) is published now."""
@@ -288,6 +316,7 @@ class ArtifactCache:
             "key": key,
             "components": components,
             "payload_digest": tree_digest(payload),
+            "dirs": empty_dirs(payload),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "metrics": metrics or {},
         }
@@ -350,7 +379,8 @@ class ArtifactCache:
                 elif not (d / "payload").is_dir():
                     bad.append((name, "payload missing"))
                 elif tree_digest(d / "payload", use_stat_cache=False) != meta["payload_digest"]:
-                    bad.append((name, "payload digest mismatch"))
+                    gone = [f for f in meta.get("dirs", []) if not (d / "payload" / f).is_dir()]
+                    bad.append((name, f"empty folder {gone[0]}/ missing" if gone else "payload digest mismatch"))
             except BadEntry as e:
                 bad.append((name, str(e)))
             except OSError as e:

@@ -83,14 +83,27 @@ def tree_listing(root: str | Path, use_stat_cache: bool = True) -> dict[str, str
     return {p.relative_to(root).as_posix(): file_digest(p, use_stat_cache) for p in tree_files(root)}
 
 
-def listing_digest(listing: dict[str, str]) -> str:
-    """The tree digest of a :func:`tree_listing` (what :func:`tree_digest` returns for a directory)."""
-    return sha256_json(listing)
+def empty_dirs(root: str | Path) -> list[str]:
+    """Relative posix paths of the directories under ``root`` that hold nothing (an object store keeps no object
+    for them, so they are recorded and recreated: a Triton model's version folder ``ensemble/1/`` is one)."""
+    root = Path(root)
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                  if p.is_dir() and not p.is_symlink() and not any(p.iterdir()))
+
+
+DIR_MARK = "dir"    # an empty directory in a listing: "<rel>/": "dir" (a file's relative path never ends in "/")
+
+
+def listing_digest(listing: dict[str, str], dirs: list[str] | tuple = ()) -> str:
+    """The tree digest of a :func:`tree_listing` plus its :func:`empty_dirs` (what :func:`tree_digest` returns for
+    a directory). A tree without empty directories has the digest it had before they were counted."""
+    return sha256_json({**listing, **{f"{d}/": DIR_MARK for d in dirs}})
 
 
 def tree_digest(root: str | Path, use_stat_cache: bool = True) -> str:
-    """Digest over relative paths and file digests of every file under ``root`` (or of one file)."""
+    """Digest over relative paths and file digests of every file under ``root``, and its empty directories (or
+    of one file)."""
     root = Path(root)
     if root.is_file():
         return file_digest(root, use_stat_cache)
-    return listing_digest(tree_listing(root, use_stat_cache))
+    return listing_digest(tree_listing(root, use_stat_cache), empty_dirs(root))

@@ -337,6 +337,11 @@ class PackageSection(Section):
     triton: TritonSection = Field(default_factory=TritonSection)
 
 
+# recipe keys that change no artifact's bytes: the regression rules are checked after every build against the run
+# history (never cached), a description is prose. A package's manifest records the rest (Recipe.package_dict).
+NOT_IN_ARTIFACTS = (("validate", "regression"), ("description",))
+
+
 class Recipe(Section):
     name: str = Field(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                       description="names the report directory and the cache index: " + NAME_RULE)
@@ -372,6 +377,21 @@ class Recipe(Section):
     @property
     def hash(self) -> str:
         return sha256_json(self.to_dict())
+
+    def package_dict(self) -> dict:
+        """The resolved recipe as a package records it: without :data:`NOT_IN_ARTIFACTS` (changing those re-runs
+        no stage, the package included)."""
+        d = self.to_dict()
+        for *parents, last in NOT_IN_ARTIFACTS:
+            node = d
+            for p in parents:
+                node = node.get(p, {})
+            node.pop(last, None)
+        return d
+
+    @property
+    def package_hash(self) -> str:
+        return sha256_json(self.package_dict())
 
 
 # ---------------------------------------------------------------- loading

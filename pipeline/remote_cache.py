@@ -22,22 +22,28 @@ Other fsspec protocols are refused: fsspec's generic ``pipe_file(mode="create")`
 writes (fsspec/spec.py), which is not atomic across machines. A shared POSIX directory needs none of this: set
 ``FORGE_CACHE=/shared/dir`` and the local cache's rename-based commit serves every machine that mounts it.
 
-Layout under ``<scheme>://<bucket>/<prefix>``::
+Layout under ``<scheme>://<bucket>/<prefix>`` (record format 2, content-addressed)::
 
-    objects/<k[:2]>/<k>/<upload>/<file>...   one publish attempt's payload files; <upload> is unique per attempt
-    entries/<k[:2]>/<k>.json                 the entry record (meta.json fields + file list + <upload>)
+    blobs/<s[:2]>/<s>                        a file's bytes, named by their sha256 <s>: stored once for every
+                                             entry that holds them (an FP32 model that export, a no-op quantize,
+                                             build and package all carry is one object)
+    entries/<k[:2]>/<k>.json                 the entry record: meta.json fields, ``files`` {path: sha256, size}
+                                             and ``dirs`` (empty folders, which an object store cannot hold)
     index/<recipe>/<stage>.json              the last key built for a recipe's stage (gc --keep, plan's "why")
     quarantine/<k>.<time>.json               records set aside because their payload did not verify
+    objects/<k[:2]>/<k>/<upload>/<file>...   format 1 (before blobs): read and verified as before, never written
 
-Publishing (``publish``): upload every payload file under a fresh ``<upload>`` prefix, then create the record
-with the conditional create. The record is one small object written in one request, so a reader sees either
-no entry or a complete one; an upload whose record was never written (publisher killed, lost race) is never a
-hit and ``gc`` removes it once it is older than the grace period. Two publishers of one key: the first record
-wins; the second deletes its upload and adopts the winner's entry (its own bytes may differ if the stage is
-not bit-reproducible; the winner's digest is what every machine then builds on).
+Publishing (``publish``): upload the blobs the store lacks, then create the record with the conditional create.
+The record is one small object written in one request, so a reader sees either no entry or a complete one; a
+blob no record names (publisher killed, lost race with other bytes) is never read and ``gc`` removes it once it
+is older than the grace period. Two publishers of one key: the first record wins; the second adopts the winner's
+entry (its own bytes may differ if the stage is not bit-reproducible; the winner's digest is what every machine
+then builds on). Blobs are never deleted by a publisher: another record may name the same bytes.
 
-Reading (``fetch``): download the files the record lists, check each file's sha256 and the tree digest;
-anything else is a bad entry, which the caller sets aside (``discard``) and rebuilds.
+Reading (``fetch``): download the blobs the record names (each distinct one once), recreate its empty folders,
+check each file's sha256, the folder list and the tree digest; anything else is a bad entry, which the caller
+sets aside (``discard``) and rebuilds. A ``gc`` that removes a blob while a publisher counts on it makes that
+entry bad the same way: set aside and rebuilt once, never served.
 """
 
 from __future__ import annotations
@@ -48,13 +54,14 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import socket
 import time
 import uuid
 from pathlib import Path
 
 from .errors import ForgeError, UsageError
-from .hashing import listing_digest, tree_listing
+from .hashing import empty_dirs, listing_digest, tree_listing
 
 # scheme -> (fsspec protocol, the package that implements it, the pip extra that installs it)
 SCHEMES = {
@@ -62,7 +69,7 @@ SCHEMES = {
     "gs": ("gs", "gcsfs", "gcs"), "gcs": ("gs", "gcsfs", "gcs"),
     "az": ("az", "adlfs", "azure"), "abfs": ("abfs", "adlfs", "azure"), "abfss": ("abfs", "adlfs", "azure"),
 }
-RECORD_FORMAT = 1
+RECORD_FORMAT = 2                # 2: content-addressed blobs/ and empty folders (1: objects/<k>/<upload>/)
 ORPHAN_GRACE_S = 24 * 3600      # an upload without a record may still be in flight this long (gc leaves it)
 OFFLINE_HINT = "or build with the local cache only: --cache-offline"
 _CONNECTION_ERRORS = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
@@ -78,10 +85,6 @@ class RemoteError(ForgeError):
 
 class BadRemoteEntry(Exception):
     """A record whose payload does not verify (missing object, wrong bytes, garbled record)."""
-
-
-def _safe(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9.-]", "-", text)[:40] or "host"
 
 
 def _mtime(info: dict) -> float | None:
@@ -209,6 +212,15 @@ class RemoteStore:
     def _upload_path(self, key: str, upload: str) -> str:
         return f"{self.root}/objects/{key[:2]}/{key}/{upload}"
 
+    def _blob_path(self, sha: str) -> str:
+        return f"{self.root}/blobs/{sha[:2]}/{sha}"
+
+    def _object_of(self, key: str, rec: dict, rel: str) -> str:
+        """Where the bytes of payload file ``rel`` of record ``rec`` are (format 2: a blob; 1: the upload)."""
+        if rec.get("format", 1) >= 2:
+            return self._blob_path(rec["files"][rel]["sha256"])
+        return f"{self._upload_path(key, rec['upload'])}/{rel}"
+
     def record_url(self, key: str) -> str:
         return f"{self.scheme}://{self._record_path(key)}"
 
@@ -235,41 +247,57 @@ class RemoteStore:
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             raise BadRemoteEntry("record unreadable (not JSON)") from None
         files = rec.get("files") if isinstance(rec, dict) else None
+        dirs = rec.get("dirs", []) if isinstance(rec, dict) else None
+        fmt = rec.get("format", 1) if isinstance(rec, dict) else None
         if not isinstance(rec, dict) or rec.get("key") != key or not isinstance(rec.get("payload_digest"), str) \
-                or not isinstance(files, dict) or not isinstance(rec.get("upload"), str) \
-                or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in files.values()) \
+                or not isinstance(files, dict) or fmt not in (1, 2) \
+                or (fmt == 1 and not isinstance(rec.get("upload"), str)) \
+                or not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs) \
+                or not all(isinstance(v, dict) and isinstance(v.get("sha256"), str)
+                           and re.fullmatch(r"[0-9a-f]{64}", v["sha256"]) for v in files.values()) \
                 or not isinstance(rec.get("components", {}), dict) or not isinstance(rec.get("metrics", {}), dict):
             raise BadRemoteEntry("record is not a forge entry record")
-        if listing_digest({k: v["sha256"] for k, v in files.items()}) != rec["payload_digest"]:
+        for rel in [*files, *dirs]:
+            if not rel or rel.startswith("/") or ".." in Path(rel).parts:
+                raise BadRemoteEntry(f"record names a path outside its payload: {rel!r}")
+        if listing_digest({k: v["sha256"] for k, v in files.items()}, dirs) != rec["payload_digest"]:
             raise BadRemoteEntry("record's file list does not match its payload digest")
         return rec
 
     def fetch(self, key: str, rec: dict, dest: Path) -> None:
         """Download the payload ``rec`` describes into the empty directory ``dest`` and verify every byte.
         BadRemoteEntry when an object is missing or differs (the caller sets the entry aside)."""
-        base = self._upload_path(key, rec["upload"])
         files = rec["files"]
-        for rel in files:
-            if rel.startswith("/") or ".." in Path(rel).parts:
-                raise BadRemoteEntry(f"record names a file outside its payload: {rel!r}")
+        first: dict[str, str] = {}      # object -> the first file downloaded from it (the others are copies)
+        for rel in sorted(files):
+            first.setdefault(self._object_of(key, rec, rel), rel)
         if files:
-            lpaths = [str(dest / rel) for rel in files]
-            for p in lpaths:
-                Path(p).parent.mkdir(parents=True, exist_ok=True)
+            for rel in files:
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
             with self._errors(f"downloading {key[:16]} from"):
                 try:
-                    self.fs.get([f"{base}/{rel}" for rel in files], lpaths)
+                    self.fs.get(list(first), [str(dest / rel) for rel in first.values()])
                 except FileNotFoundError as e:
                     raise BadRemoteEntry(f"payload object missing: {e}") from None
+            for rel in files:
+                src = first.get(self._object_of(key, rec, rel))
+                if src is not None and src != rel and (dest / src).is_file():
+                    shutil.copyfile(dest / src, dest / rel)
+        for d in rec.get("dirs", []):
+            (dest / d).mkdir(parents=True, exist_ok=True)
         got = tree_listing(dest, use_stat_cache=False)
         missing = sorted(set(files) - set(got))
         if missing:
             raise BadRemoteEntry(f"payload object missing: {missing[0]}")
         for rel, want in files.items():
             if got[rel] != want["sha256"]:
+                if rec.get("format", 1) >= 2:   # a blob whose bytes are not its name is wrong for every record
+                    with self._errors(f"removing a bad blob of {key[:16]} from"), \
+                            contextlib.suppress(FileNotFoundError):
+                        self.fs.rm_file(self._object_of(key, rec, rel))     # so a rebuild uploads it again
                 raise BadRemoteEntry(f"payload file {rel} differs from its record (sha256 {got[rel][:12]}..., "
                                      f"recorded {want['sha256'][:12]}...)")
-        if listing_digest(got) != rec["payload_digest"]:
+        if listing_digest(got, empty_dirs(dest)) != rec["payload_digest"]:
             raise BadRemoteEntry("payload digest mismatch")
 
     # ------------------------------------------------------------ writing
@@ -277,17 +305,21 @@ class RemoteStore:
         """Upload ``payload`` and create the record of ``key`` if none exists. (True, our record) when ours is the
         entry; (False, the winner's record) when another publisher's record came first (our upload is deleted)."""
         listing = tree_listing(payload)
-        if listing_digest(listing) != meta["payload_digest"]:
+        dirs = empty_dirs(payload)
+        if listing_digest(listing, dirs) != meta["payload_digest"]:
             raise ForgeError(f"the payload of {key[:16]} changed while it was being published: rebuild it")
-        upload = f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{_safe(socket.gethostname())}-{os.getpid()}-" \
-                 f"{uuid.uuid4().hex[:8]}"
-        base = self._upload_path(key, upload)
         files = {rel: {"sha256": sha, "size": (payload / rel).stat().st_size} for rel, sha in listing.items()}
-        if files:
-            with self._errors(f"uploading {key[:16]} to"):
-                self.fs.put([str(payload / rel) for rel in files], [f"{base}/{rel}" for rel in files])
-        record = dict(meta, format=RECORD_FORMAT, files=files, upload=upload,
+        todo: dict[str, str] = {}       # blob -> a local file with its bytes, for each blob the store lacks
+        with self._errors(f"uploading {key[:16]} to"):
+            for rel, sha in sorted(listing.items()):
+                blob = self._blob_path(sha)
+                if blob not in todo and not self.fs.exists(blob):
+                    todo[blob] = str(payload / rel)
+            if todo:
+                self.fs.put(list(todo.values()), list(todo))
+        record = dict(meta, format=RECORD_FORMAT, files=files, dirs=dirs,
                       publisher={"host": socket.gethostname(), "pid": os.getpid()})
+        record.pop("upload", None)
         data = json.dumps(record, indent=1, sort_keys=True, default=str).encode()
         with self._errors(f"publishing the record of {key[:16]} to"):
             try:
@@ -304,7 +336,6 @@ class RemoteStore:
         if won:
             self._confirmed.add(key)
             return True, record
-        self._delete(base)          # the first publisher's entry stands; ours goes
         winner = self.record(key)
         if winner is None:
             raise RemoteError(f"the record of {key[:16]} at {self.record_url(key)} was there a moment ago and is gone "
@@ -396,27 +427,35 @@ class RemoteStore:
                 out.append((key, None, str(e)))
         return out
 
+    def _object_sha256(self, path: str) -> str | None:
+        """sha256 of an object's bytes; None when there is no such object."""
+        h = hashlib.sha256()
+        with self._errors(f"reading {path} from"):
+            try:
+                with self.fs.open(path, "rb", block_size=8 << 20) as f:
+                    while chunk := f.read(8 << 20):
+                        h.update(chunk)
+            except FileNotFoundError:   # caught here, not by _errors: a missing object is a problem, not an outage
+                return None
+        return h.hexdigest()
+
     def verify_all(self) -> list[tuple[str, str]]:
-        """Re-hash every payload object of every record; (key, problem) pairs. Changes nothing."""
+        """Re-hash every payload object of every record (each blob once); (key, problem) pairs for every missing
+        or differing file of every entry, not only the first. Changes nothing."""
         bad = []
+        seen: dict[str, str | None] = {}
         for key, rec, problem in self.records():
             if rec is None:
                 bad.append((key, problem))
                 continue
-            base = self._upload_path(key, rec["upload"])
             for rel, want in sorted(rec["files"].items()):
-                h = hashlib.sha256()
-                try:
-                    with self._errors(f"reading {rel} of {key[:16]} from"):
-                        with self.fs.open(f"{base}/{rel}", "rb", block_size=8 << 20) as f:
-                            while chunk := f.read(8 << 20):
-                                h.update(chunk)
-                except FileNotFoundError:
+                obj = self._object_of(key, rec, rel)
+                if obj not in seen:
+                    seen[obj] = self._object_sha256(obj)
+                if seen[obj] is None:
                     bad.append((key, f"payload object missing: {rel}"))
-                    break
-                if h.hexdigest() != want["sha256"]:
+                elif seen[obj] != want["sha256"]:
                     bad.append((key, f"payload file {rel} differs from its record"))
-                    break
         return bad
 
     def uploads(self) -> dict[tuple[str, str], float]:
@@ -438,28 +477,45 @@ class RemoteStore:
         recs = self.records()
         removed_entries = 0
         referenced = set()
+        blobs_kept: set[str] = set()
+        blobs_dropped: set[str] = set()     # named only by records removed now: removed whatever their age
         for key, rec, _ in recs:
             if rec is None:
                 continue
+            shas = {f["sha256"] for f in rec["files"].values()} if rec.get("format", 1) >= 2 else set()
             if keep is not None and key not in keep:
                 with self._errors(f"removing {key[:16]} from"), contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(self._record_path(key))
                 removed_entries += 1
                 self._confirmed.discard(key)
-                self._delete(self._upload_path(key, rec["upload"]))
+                if "upload" in rec:
+                    self._delete(self._upload_path(key, rec["upload"]))
+                blobs_dropped |= shas
                 continue
-            referenced.add((key, rec["upload"]))
+            blobs_kept |= shas
+            if "upload" in rec:
+                referenced.add((key, rec["upload"]))
         removed_uploads = 0
         for (key, upload), mtime in self.uploads().items():
             if (key, upload) not in referenced and (older_than_s <= 0 or now - mtime > older_than_s):
                 with self._errors(f"removing an unreferenced upload of {key[:16]} from"):
                     self._delete(self._upload_path(key, upload))
                 removed_uploads += 1
+        removed_blobs = 0
+        prefix = f"{self.root}/blobs/"
+        for path, info in self._find("blobs", detail=True).items():
+            sha = path.rsplit("/", 1)[-1]
+            if not path.startswith(prefix) or sha in blobs_kept:
+                continue
+            if sha in blobs_dropped or older_than_s <= 0 or now - (_mtime(info) or now) > older_than_s:
+                with self._errors("removing an unreferenced blob from"), contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(path)
+                removed_blobs += 1
         removed_quarantined = 0
         for path, info in self._find("quarantine", detail=True).items():
             if older_than_s <= 0 or now - (_mtime(info) or now) > older_than_s:
                 with self._errors("removing a quarantined record from"), contextlib.suppress(FileNotFoundError):
                     self.fs.rm_file(path)
                 removed_quarantined += 1
-        return {"removed_entries": removed_entries, "removed_uploads": removed_uploads,
+        return {"removed_entries": removed_entries, "removed_blobs": removed_blobs, "removed_uploads": removed_uploads,
                 "removed_quarantined": removed_quarantined}

@@ -43,6 +43,7 @@ class StageResult:
     log: str | None = None      # a failure's log: message, traceback, stage and key
     components: dict | None = None  # the stage's key components (run history: what changed between nights)
     node: dict = field(default_factory=dict)    # --executor ray: the node it ran on (id, ip, host)
+    source: str = ""            # a hit: where its entry was found, "local" or the shared store's URL
 
 
 class _InputsCorrupt(Exception):
@@ -70,8 +71,12 @@ def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = Non
 
 class Runner:
     def __init__(self, recipe: Recipe, cache: ArtifactCache | None = None, home: Path | None = None,
-                 stages: list[Stage] | None = None, log_dir: Path | None = None):
+                 stages: list[Stage] | None = None, log_dir: Path | None = None, verify: bool = False):
         self.recipe = recipe
+        # --verify: every entry a stage uses is re-hashed in full (the stat cache trusts size + mtime + inode)
+        self.verify = verify
+        self._found: dict[str, object] = {}     # key -> cache.Found of this run's hits
+        self._pending: dict[str, str] = {}      # stage -> key of a hit in the shared store not downloaded yet
         self.cache = cache or open_cache()
         self.home = Path(home or forge_home())
         self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
@@ -185,6 +190,7 @@ class Runner:
         metrics: dict[str, dict] = {}
         keys: dict[str, str] = {}
         self._components: dict[str, dict] = {}
+        self._pending, self._found = {}, {}
         stop = False
         for s in self.stages:
             if stop:
@@ -207,9 +213,14 @@ class Runner:
                 on_stage(res)
             if res.status in (Status.HIT, Status.BUILT):
                 try:
-                    entry = self.cache.get(res.key, verify=False)
-                    digests[s.name] = entry.meta["payload_digest"]
-                    payloads[s.name] = entry.payload
+                    found = self._found.get(res.key) if res.status == Status.HIT else None
+                    if found is not None and found.entry is None:   # in the shared store: fetched when needed
+                        digests[s.name] = found.meta["payload_digest"]
+                        self._pending[s.name] = res.key
+                    else:
+                        entry = found.entry if found is not None else self.cache.get(res.key, verify=False)
+                        digests[s.name] = entry.meta["payload_digest"]
+                        payloads[s.name] = entry.payload
                     metrics[s.name] = res.metrics
                     keys[s.name] = res.key
                 except Exception as e:      # the entry vanished or is unreadable right after use
@@ -218,7 +229,50 @@ class Runner:
                 stop = True
             if until and s.name == until:
                 stop = True
+        self._fetch_outputs(results, payloads, retry)
         return results
+
+    def _fetch_outputs(self, results: list[StageResult], payloads: dict[str, Path], retry: bool) -> None:
+        """Download what this build hands over (its hand-off stages, and the last stage it completed) when it is
+        only in the shared store; every other hit stays there (nothing here read it)."""
+        done = [r for r in results if r.status in (Status.HIT, Status.BUILT)]
+        wanted = {s.name for s in self.stages if s.hands_off} | ({done[-1].name} if done else set())
+        for res in done:
+            if res.name not in wanted or res.name not in self._pending:
+                continue
+            try:
+                self._materialise([res.name], payloads, retry)
+                res.payload = str(payloads[res.name])
+            except ForgeError as e:
+                i = results.index(res)
+                results[i] = self._failed(next(s for s in self.stages if s.name == res.name), res.key, 0.0, 0.0, e)
+
+    def _materialise(self, names, payloads: dict[str, Path], retry: bool) -> None:
+        """Download the shared store's entries of these stages that this run found there but has not fetched. One
+        that did not verify is set aside there (cache.notes says why): the build's second pass rebuilds it."""
+        for n in names:
+            key = self._pending.get(n)
+            if key is None:
+                continue
+            entry = self.cache.get(key, use_stat_cache=not self.verify)
+            if entry is None and not retry:
+                raise _InputsCorrupt([n])
+            if entry is None:
+                raise ForgeError(f"the output of {n} ({key[:16]}) was in {self.cache.location} a moment ago but "
+                                 f"{self.cache.notes.get(key) or 'is gone now'}; build again")
+            del self._pending[n]
+            payloads[n] = entry.payload
+
+    def _hit(self, s: Stage, key: str, comps: dict, t0: float | None = None) -> StageResult | None:
+        """A hit result for ``key`` if this layer or the shared store has its entry (nothing is downloaded)."""
+        found = self.cache.locate(key, use_stat_cache=not self.verify)
+        if found is None:
+            return None
+        self._found[key] = found
+        self.cache.record(self.recipe.name, s.name, key, comps)
+        return StageResult(s.name, Status.HIT, key, time.perf_counter() - t0 if t0 else 0.0,
+                           metrics=found.meta.get("metrics", {}),
+                           payload=str(found.entry.payload) if found.entry else None, source=found.source)
 
     def _run_stage(self, s: Stage, digests, payloads, metrics, forced: bool, input_keys: dict[str, str],
                    retry: bool) -> StageResult:
@@ -229,21 +283,19 @@ class Runner:
             comps = self._components[s.name] = s.components(self.recipe, self.home, digests)
             key = make_key(comps)
             if not forced:
-                entry = self.cache.get(key)
-                if entry is not None:
-                    self.cache.record(self.recipe.name, s.name, key, comps)
-                    return StageResult(s.name, Status.HIT, key, metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
+                hit = self._hit(s, key, comps)
+                if hit is not None:
+                    return hit
             missing = s.missing(self.recipe)
             if missing:
                 return StageResult(s.name, Status.CANNOT_RUN_HERE, key,
                                    message=f"{missing}; finish with: {s.finish_hint(self.recipe)}")
             with self.cache.lock(key):
                 if not forced:
-                    entry = self.cache.get(key)   # a concurrent run may have built it while we waited
-                    if entry is not None:
-                        self.cache.record(self.recipe.name, s.name, key, comps)
-                        return StageResult(s.name, Status.HIT, key, time.perf_counter() - t0,
-                                           metrics=entry.meta.get("metrics", {}), payload=str(entry.payload))
+                    hit = self._hit(s, key, comps, t0)  # a concurrent run may have built it while we waited
+                    if hit is not None:
+                        return hit
+                self._materialise([*s.needs, "source"], payloads, retry)  # what it reads, downloaded only now
                 if s.hands_off:
                     self._verify_inputs(s, input_keys, retry)
                 info = model_info_for(self.recipe, self.home, payloads.get("source"))
@@ -295,8 +347,9 @@ class Runner:
                 continue
         digest = None
         if res.status in (Status.HIT, Status.BUILT):
+            found = self._found.get(res.key)
             entry = self.cache.get(res.key, verify=False, fetch=False)
-            digest = entry.meta["payload_digest"] if entry else None
+            digest = entry.meta["payload_digest"] if entry else (found.meta["payload_digest"] if found else None)
         return res, digest
 
     def _verify_inputs(self, s: Stage, input_keys: dict[str, str], retry: bool) -> None:

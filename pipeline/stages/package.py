@@ -22,7 +22,8 @@ class PackageStage(Stage):
     hands_off = True
 
     def config(self, r):
-        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.hash}
+        # the recipe as the manifest records it (Recipe.package_dict: no regression rules, no description)
+        return {"triton": r.package.triton.model_dump(), "recipe": r.name, "recipe_hash": r.package_hash}
 
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["build"]) + payload_bytes(inputs["source"]) if "build" in inputs else None
@@ -53,7 +54,7 @@ def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = No
     evals = set_digests(r, [(e.set, e.split) for e in r.validate_.eval])
     return {
         "forge_version": __version__,
-        "recipe": {"name": r.name, "hash": r.hash, "resolved": r.to_dict()},
+        "recipe": {"name": r.name, "hash": r.package_hash, "resolved": r.package_dict()},
         "model": {"source": source["spec"], "kind": source["kind"], "digest": source["digest"]},
         "calibration": {"config": q.calibration.model_dump(), "digests": calib} if calib else None,
         "evaluation_data": evals,

@@ -14,7 +14,7 @@ from .base import Stage, StageContext
 class SourceStage(Stage):
     """Resolve the model (builtin GGUF -> fp32 safetensors, local dir, or local HF cache)."""
     name = "source"
-    version = "2"   # 2: source.json no longer records the model's absolute path (location-independent payload)
+    version = "3"   # 2: source.json no longer records the model's absolute path (location-independent payload); 3: metrics' model_dir relative to FORGE_HOME (issue 24: a shared entry named the first home's path)
     tools = ("transformers", "gguf")
 
     def config(self, r):
@@ -44,4 +44,9 @@ class SourceStage(Stage):
                 (ctx.out / "tokenizer").mkdir(exist_ok=True)
                 shutil.copy2(info.path / f, ctx.out / "tokenizer" / f)
         size = sum(p.stat().st_size for p in info.path.rglob("*") if p.is_file())
-        return {"kind": info.kind, "model_dir": str(info.path), "model_bytes": size, "digest": info.digest}
+        # relative to FORGE_HOME where it lies there: the entry is shared by every home (FORGE_CACHE=s3://...)
+        try:
+            shown = info.path.resolve().relative_to(Path(ctx.home).resolve()).as_posix()
+        except ValueError:
+            shown = str(info.path)      # a local model dir outside FORGE_HOME: the recipe names that path anyway
+        return {"kind": info.kind, "model_dir": shown, "model_bytes": size, "digest": info.digest}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pipeline.env import cpu_facts, cpu_isa_class, gpus, tool_label, tool_versions
 from pipeline.errors import ForgeError
-from pipeline.hashing import file_digest, sha256_json, tree_files
+from pipeline.hashing import empty_dirs, file_digest, sha256_json, tree_files
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
@@ -55,12 +55,21 @@ def repo_file_digests(repo_dir: Path, use_stat_cache: bool = True) -> dict[str, 
     return out
 
 
+def repo_empty_dirs(repo_dir: Path) -> list[str]:
+    return [d for d in empty_dirs(repo_dir) if "__pycache__" not in Path(d).parts]
+
+
 def file_problems(repo_dir, manifest: dict) -> list[str]:
     """Files changed, missing or added since packaging, by full content digests (every byte is read: a
-    repository is about to be deployed, and a change that kept size and mtime must be caught)."""
+    repository is about to be deployed, and a change that kept size and mtime must be caught), and recorded
+    empty folders that are gone (a copy through an object store drops them; Triton then finds no version)."""
     repo = Path(repo_dir)
     problems: list[str] = []
     fix = rebuild_hint(manifest)
+    dirs = manifest.get("dirs") if isinstance(manifest.get("dirs"), list) else []
+    for d in sorted(str(d) for d in dirs):
+        if not (repo / d).is_dir():
+            problems.append(f"{d}/: empty folder listed in manifest.json but missing (Triton needs it); {fix}")
     recorded = manifest.get("files") if isinstance(manifest.get("files"), dict) else {}
     actual = repo_file_digests(repo, use_stat_cache=False)
     for f in sorted(set(recorded) | set(actual)):
@@ -97,7 +106,8 @@ def write_manifest(repo_dir, info: dict) -> Path:
     ``evaluation_data`` digests, ``tools`` (dist name -> version; defaults to this environment),
     ``build`` args, ``metrics``; optional ``gpu_sm`` (int) and ``engine`` (onnxruntime | tensorrt_llm |
     tensorrt; read from the repository's models when absent). Added: ``engine``, ``hardware``
-    (cpu + machine, or gpu + SM), normalised ``tools``, ``recipe_hash``, ``files`` (sha256 of every file).
+    (cpu + machine, or gpu + SM), normalised ``tools``, ``recipe_hash``, ``files`` (sha256 of every file),
+    ``dirs`` (every empty folder: Triton needs a model's version folder ``<model>/1/`` even when it is empty).
     """
     repo = Path(repo_dir)
     info = dict(info)
@@ -132,7 +142,7 @@ def write_manifest(repo_dir, info: dict) -> Path:
     # no timestamp: the same inputs give the same manifest (and package digest) on any machine or FORGE_HOME;
     # when it was built is in the cache entry's meta.json and the build report
     manifest = {**info, "schema": SCHEMA, "engine": engine, "hardware": hardware, "tools": tools, "recipe_hash": rhash,
-                "files": repo_file_digests(repo)}
+                "files": repo_file_digests(repo), "dirs": repo_empty_dirs(repo)}
     path = repo / MANIFEST
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True, default=str) + "\n")
     return path

@@ -103,6 +103,7 @@ class Gate(Stage):
     def run(self, ctx):
         from pipeline.env import cpu_isa_class
         (ctx.out / "ok").write_text("ok")
+        (ctx.out / "model" / "1").mkdir(parents=True)     # an empty folder, as Triton's ensemble/1/
         return {"passed": True, "isa_class": cpu_isa_class(), **_where()}
 
 

@@ -19,6 +19,17 @@ def _stages(report: dict) -> dict:
     return {s["name"]: s for s in report["stages"]}
 
 
+def _record(shared, key: str) -> dict:
+    return json.loads(shared.s3.client().get_object(Bucket=shared.bucket, Key=f"{shared.prefix}/entries/{key[:2]}/{key}.json")
+                      ["Body"].read())
+
+
+def _blob(shared, key: str, rel: str) -> str:
+    """The bucket object holding payload file ``rel`` of entry ``key`` (content-addressed: blobs/<sha>)."""
+    sha = _record(shared, key)["files"][rel]["sha256"]
+    return f"{shared.prefix}/blobs/{sha[:2]}/{sha}"
+
+
 def _plan(machine, recipe) -> dict:
     return {s["name"]: s for s in json.loads(machine.forge("plan", recipe, "--json").stdout)["stages"]}
 
@@ -35,17 +46,22 @@ def test_second_machine_downloads_instead_of_rebuilding(shared):
         n: ("hit", f"cached in {shared.url}") for n in built}
     assert [p["key"] for p in plan.values()] == [s["key"] for s in built.values()]
 
-    b.forge("build", fa)
+    p = b.forge("build", fa)
     got = _stages(b.report("fa"))
     assert [s["status"] for s in got.values()] == ["hit"] * 3
+    assert [s["source"] for s in got.values()] == [shared.url] * 3                     # where each hit came from
+    assert f"gate: hit ({shared.url})" in p.stderr
     assert got["transform"]["metrics"]["pid"] == built["transform"]["metrics"]["pid"]   # a's run, not b's
-    assert b.local_keys() == {s["key"] for s in built.values()}                         # downloaded once, kept
+    # only what the build hands over (its last stage) is downloaded: nothing here had to run on the others
+    assert b.local_keys() == {built["gate"]["key"]}
+    assert got["gate"]["payload"] and got["produce"]["payload"] is None
     from pipeline.cache import ArtifactCache
-    for s in built.values():    # the same bytes as a's, verified
-        assert ArtifactCache(b.home / "artifacts").get(s["key"]).meta["payload_digest"] == \
-            ArtifactCache(a.home / "artifacts").get(s["key"]).meta["payload_digest"]
+    mine = ArtifactCache(b.home / "artifacts").get(built["gate"]["key"])    # the same bytes as a's, verified
+    assert mine.meta["payload_digest"] == ArtifactCache(a.home / "artifacts").get(built["gate"]["key"]).meta["payload_digest"]
+    assert (mine.payload / "model" / "1").is_dir()      # the empty folder came through the bucket
     b.forge("build", fa)
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit"] * 3
+    assert [s["source"] for s in b.report("fa")["stages"]] == [shared.url, shared.url, "local"]
 
     b.forge("build", fa, "--force", "gate")      # --force replaces the shared entry too
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit", "hit", "built"]
@@ -71,7 +87,7 @@ def test_flipped_byte_in_the_bucket_is_detected_and_rebuilt(shared):
     first = _stages(a.report("fa"))
     key = first["transform"]["key"]
     s3 = shared.s3.client()
-    obj = next(f"{shared.prefix}/{k}" for k in shared.keys(f"objects/{key[:2]}/{key}/") if k.endswith("big.bin"))
+    obj = _blob(shared, key, "sub/big.bin")
     data = bytearray(s3.get_object(Bucket=shared.bucket, Key=obj)["Body"].read())
     data[1000] ^= 0x01
     s3.put_object(Bucket=shared.bucket, Key=obj, Body=bytes(data))
@@ -79,12 +95,14 @@ def test_flipped_byte_in_the_bucket_is_detected_and_rebuilt(shared):
     bad = a.forge("cache", "verify", check=1)
     assert key in bad.stderr and "sub/big.bin differs" in bad.stderr and shared.url in bad.stderr
 
-    b.forge("build", fa)
+    b.forge("build", fa)        # transform's entry is not needed on b (gate is a hit): not downloaded, not noticed
+    assert [s["status"] for s in b.report("fa")["stages"]] == ["hit"] * 3
+    b.forge("build", fa, "--force", "gate")     # gate runs: transform is downloaded, does not verify, is rebuilt
     got = _stages(b.report("fa"))
-    assert [got[n]["status"] for n in ("produce", "transform", "gate")] == ["hit", "built", "hit"]
+    assert [got[n]["status"] for n in ("produce", "transform", "gate")] == ["hit", "built", "built"]
     assert "did not verify" in got["transform"]["message"] and "big.bin" in got["transform"]["message"]
     assert got["transform"]["key"] == key and got["gate"]["key"] == first["gate"]["key"]   # same bytes again
-    assert len(shared.keys("quarantine/")) == 1
+    assert len([q for q in shared.keys("quarantine/") if key in q]) == 1     # (and gate's, replaced by --force)
     assert "0 corrupt entries" in b.forge("cache", "verify").stdout      # the republished entry verifies
 
 
@@ -97,18 +115,18 @@ def test_publisher_killed_mid_upload_leaves_no_entry(shared):
     while not mark.exists():
         assert p.poll() is None and time.time() - t0 < 120, p.communicate()
         time.sleep(0.1)
-    os.killpg(p.pid, signal.SIGKILL)        # mid-upload: one payload object of transform is in the bucket
+    os.killpg(p.pid, signal.SIGKILL)        # mid-upload: one payload blob of transform is in the bucket
     p.communicate()
 
     plan = _plan(b, fa)
     key = plan["transform"]["key"]
     assert plan["produce"]["status"] == "hit" and plan["transform"]["status"] == "miss"
-    assert len(shared.keys(f"objects/{key[:2]}/{key}/")) == 1    # uploaded, never named
+    assert len(shared.keys("blobs/")) == 2      # produce's file, and one of transform's: uploaded, never named
     assert not shared.keys(f"entries/{key[:2]}/{key}")
     b.forge("cache", "gc")                  # within the grace period an upload may still be in flight: kept
-    assert len(shared.keys(f"objects/{key[:2]}/{key}/")) == 1
-    assert "'removed_uploads': 1" in b.forge("cache", "gc", "--older-than", "0").stdout
-    assert not shared.keys(f"objects/{key[:2]}/{key}/")
+    assert len(shared.keys("blobs/")) == 2
+    assert "'removed_blobs': 1" in b.forge("cache", "gc", "--older-than", "0").stdout
+    assert shared.keys("blobs/") == [_blob(shared, plan["produce"]["key"], "numbers.json")[len(shared.prefix) + 1:]]
     b.forge("build", fa)
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit", "built", "built"]
 
@@ -132,15 +150,16 @@ def test_two_publishers_of_one_key_leave_exactly_one_entry(shared):
     records = shared.keys("entries/")
     assert len(records) == 3
     for s in ra.values():
-        uploads = {k.split("/")[3] for k in shared.keys(f"objects/{s['key'][:2]}/{s['key']}/")}
-        assert len(uploads) == 1            # the loser deleted its copy
-        rec = json.loads(shared.s3.client().get_object(Bucket=shared.bucket, Key=next(
-            f"{shared.prefix}/{r}" for r in records if s["key"] in r))["Body"].read())
-        assert rec["upload"] in uploads
+        rec = _record(shared, s["key"])
+        for rel in rec["files"]:            # every blob the winner's record names is there
+            assert _blob(shared, s["key"], rel)[len(shared.prefix) + 1:] in shared.keys("blobs/")
         for m in (a, b):    # both machines hold the winner's bytes
             assert json.loads((m.home / "artifacts" / "entries" / s["key"][:2] / s["key"] / "meta.json").read_text()
                               )["payload_digest"] == rec["payload_digest"]
     assert "0 corrupt entries" in a.forge("cache", "verify").stdout
+    # the loser's salt.txt (its only bytes that differ) is a blob no record names: gc removes it, nothing else
+    assert "'removed_blobs': 1" in a.forge("cache", "gc", "--older-than", "0").stdout
+    assert "0 corrupt entries" in b.forge("cache", "verify").stdout
 
 
 def test_unusable_store_is_a_clear_error_and_offline_builds_locally(shared):
@@ -211,3 +230,44 @@ def test_unreachable_ray_head_is_a_clear_error(shared):
         err = " ".join(p.stderr.split())
         assert f"cannot reach the Ray head at {address}" in err and "ray start --head" in err, err
         assert "Traceback" not in err
+
+
+@pytest.mark.integration
+def test_package_built_in_one_home_serves_in_another(shared, default_build, default_package, default_overrides):
+    """The default recipe's package (built once per session, in the user's FORGE_HOME) goes through the bucket to a
+    home that never built it: `forge serve RECIPE` there fetches it (empty version folders included) and answers."""
+    import threading
+    import urllib.request
+
+    from pipeline.env import forge_home
+    from pipeline.triton.serve import find_tritonserver, free_port
+    try:
+        find_tritonserver()
+    except Exception as e:      # noqa: BLE001 - the serve tests' own skip reason
+        pytest.skip(f"tritonserver missing: {e}")
+    recipe = default_build[0].name
+    sets = [x for o in default_overrides for x in ("--set", o)]
+    a, b = shared.machine("a"), shared.machine("b")
+    a.env["FORGE_HOME"] = str(forge_home())     # every stage a local hit there: published to the bucket now
+    a.forge("build", recipe, *sets, real=True, timeout=900)
+    link_home(forge_home(), b.home)             # the converted model only (the plan's source key reads it)
+    port = free_port()
+    p = b.forge("serve", recipe, *sets, "--port", port, real=True, wait=False)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    try:
+        t0 = time.time()
+        while not any("Ctrl-C stops it" in x for x in lines):
+            assert p.poll() is None, p.stderr.read()
+            assert time.time() - t0 < 300, "forge serve never reported the endpoints"
+            time.sleep(0.3)
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v2/models/ensemble/generate", method="POST",
+                                     data=json.dumps({"text_input": "The capital of France is", "max_tokens": 4}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=120).read())
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(60)
+    assert isinstance(answer.get("text_output"), str) and answer["text_output"].strip()
+    package = {s["name"]: s for s in a.report(recipe)["stages"]}["package"]["key"]
+    assert b.local_keys() == {package}          # only the package came down

@@ -144,3 +144,14 @@ def test_verify_deploy_cli_prints_the_isa_warning_and_passes(tiny_repo, tmp_path
     res = CliRunner().invoke(app, ["verify-deploy", str(r)])
     assert res.exit_code == 0, res.output
     assert f"validated on {other}" in res.output and "warning" in res.output
+
+
+def test_a_missing_empty_version_folder_is_refused(packaged):
+    """A copy through an object store drops empty folders; Triton then finds no version of the ensemble."""
+    m = read_manifest(packaged)
+    assert m["dirs"], "the packaged repository has an empty model version folder"
+    assert verify_deploy(packaged) == []
+    d = m["dirs"][0]
+    (packaged / d).rmdir()
+    problems = verify_deploy(packaged)
+    assert len(problems) == 1 and problems[0].startswith(f"{d}/: empty folder listed in manifest.json but missing")

@@ -170,3 +170,17 @@ def test_builtin_conversion_matches_gguf_logits(tmp_path):
     assert a.shape == (1, ids.shape[1], 49152)
     torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
     assert tok.decode(b[0, -1].argmax()).strip() == "Berlin"
+
+
+def test_source_metrics_name_the_model_relative_to_forge_home(tmp_path):
+    """The source entry is shared by every home (FORGE_CACHE=s3://...): its metrics must not carry the first home's
+    absolute path (issue 24)."""
+    from pipeline.recipe import Recipe
+    from pipeline.stages.base import StageContext
+    from pipeline.stages.source import SourceStage
+    home = tmp_path / "home"
+    d = _fake_model_dir(home / "models" / "m")
+    r = Recipe.model_validate({"name": "x", "model": {"source": str(d)}})
+    (tmp_path / "out").mkdir()
+    m = SourceStage().run(StageContext(r, home, tmp_path / "out", {}, {}))
+    assert m["model_dir"] == "models/m" and str(tmp_path) not in json.dumps(m)

@@ -66,6 +66,11 @@ class OrtInt8Options(OrtOptions):
 
     On an emulated AVX2 CPU (qemu-x86_64 -cpu Haswell, x86_64-avx2) the default measured ppl +3.21 %, top-1 88.1 % on
     the eval's first 2 windows, against +3.78 %, 87.1 % on AMX for the same windows (docs/measurements.md).
+
+    Issue 28: dynamic INT8 (``dynamic``, ``mixed``) is not batch-invariant (one activation scale per tensor over the
+    batch), so Triton cannot batch its rows; the recipe smollm2-135m-int8 therefore sets ``method: blockwise``
+    (batch-invariant, the most accurate on every eval set, slower prefill on AVX2: docs/quantization.md). The option
+    default stays ``mixed`` for recipes that ask for it by leaving ``method`` out.
     """
     method: Literal["mixed", "dynamic", "blockwise"] = Field("mixed", description=(
         "dynamic: per-channel int8 weights, per-tensor int8 activations at run time (MatMulInteger); blockwise: "

@@ -99,8 +99,17 @@ def run(model: Path, out: Path, only: list[str] | None, force: bool, device: str
         res["rows"][name] = {"q": q, "metrics": m}
         res_path.write_text(json.dumps(res, indent=1, default=str))
         print(f"{name}: ppl {m.get('ppl_ptq')} -> qat {m.get('ppl_qat')} (fp32 {res['ppl_fp32']:.3f})", flush=True)
-    out.write_text(render(res))
+    _write(out, render(res))
     return res
+
+
+# everything from this line on in the markdown is written by hand (the ONNX Runtime INT8 engines, issue 28) and kept
+HAND_WRITTEN = "<!-- hand-written from here on: scripts/quant_table.py keeps it -->"
+
+
+def _write(out: Path, text: str) -> None:
+    old = out.read_text() if out.is_file() else ""
+    out.write_text(text + ("\n" + old[old.index(HAND_WRITTEN):] if HAND_WRITTEN in old else ""))
 
 
 def _f(x, fmt="{:.2f}"):
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if a.render_only:
-        out.write_text(render(json.loads(out.with_suffix(".json").read_text())))
+        _write(out, render(json.loads(out.with_suffix(".json").read_text())))
         return
     if a.model is None:
         from pipeline.env import forge_home

@@ -6,7 +6,7 @@ atomically, and verified against the manifest's sha256 every time it is loaded. 
 text is committed except our own prompt list (``calibration_data/prompts.txt``).
 
 Modules: ``manifest`` (the manifest and set digests), ``registries`` (npm / pip / apt-get clients,
-``dpkg-deb``), one extractor per set (``sotu``, ``wiki``, ``austen``), ``store`` (fetch, verify, load),
+``dpkg-deb``), one extractor per set (``sotu``, ``wiki``, ``austen``, ``npm_text``), ``store`` (fetch, verify, load),
 ``windows`` (token windows), ``record`` (re-recording digests: ``forge data record``).
 
 Sets (see the manifest for the numbers):
@@ -17,6 +17,9 @@ Sets (see the manifest for the numbers):
   with gensim's own ``filter_wiki`` (gensim is a dependency, its version pinned by the manifest).
 * ``austen``  -- Jane Austen's six novels from Debian ``r-cran-janeaustenr`` (``eval``), read from R's
   lazy-load database with ``dpkg-deb`` and the ``rdata`` package (no R needed).
+* ``code_docs`` -- zod's README (npm ``zod``), technical prose with code, and ``licenses`` -- the OSI-approved
+  license texts of npm ``spdx-license-list``, legal prose: held-out evaluation sets (``heldout``) that no
+  quantization method choice looked at (issue 28).
 * ``prompts`` -- our own short prompts for greedy-generation checks (``all``).
 """
 

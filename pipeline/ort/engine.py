@@ -229,10 +229,13 @@ class OrtEngine:
         self.eos_token_id = self.meta.get("eos_token_id")
         # Dynamic INT8 MatMuls quantize their activations with ONE scale per tensor, computed over the whole batch:
         # a row's numbers then depend on the rows (and padding) it is batched with. Such an engine answers each
-        # request as it was validated only when rows run one at a time (the Triton model does that).
-        q = self.meta.get("quantization") or {}
-        self.batch_invariant = not (q.get("algo") == "int8" and bool(
-            q.get("dynamic_weights") if "dynamic_weights" in q else q.get("method") in ("dynamic", "mixed")))
+        # request as it was validated only when rows run one at a time (the Triton model does that). The quantize
+        # stage records it as ``batch_invariant``; engines from before the field are judged by their quantization.
+        if "batch_invariant" in self.meta:
+            self.batch_invariant = bool(self.meta["batch_invariant"])
+        else:
+            from .quantize import batch_invariant
+            self.batch_invariant = batch_invariant(self.meta.get("quantization") or {})
         self._tokenizer = None
         self._gather = None
         self._caches: dict[int, KVCache] = {}

@@ -44,7 +44,7 @@ from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 
 __all__ = ["quantize_onnx", "ALGOS", "activation_stats", "isa_accuracy_risk", "dynamic_int8_weights", "int8_dynamic",
-           "INT8_DEFAULTS"]
+           "INT8_DEFAULTS", "batch_invariant"]
 
 ALGOS = ("none", "int8", "int4_wo")
 # the declared defaults of each algo's options (an option absent from ``options`` takes these); why they are what
@@ -487,6 +487,8 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         info["quantized_matmuls"] = len(nodes) - len(excluded)
     copy_side_files(fp32_dir, out_dir)
     meta["quantization"] = {"algo": algo, **info}
+    # read by the engine and the Triton model (pipeline/ort/engine.py): may rows of different requests share a batch
+    meta["batch_invariant"] = batch_invariant(meta["quantization"])
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     stats["method"] = info
     (out_dir / STATS_FILE).write_text(json.dumps(stats, indent=1, default=float))
@@ -496,7 +498,18 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             "size_ratio": model_bytes(out_dir) / model_bytes(fp32_dir)}
 
 
-# ---------------------------------------------------------------------------------------------- ISA dependence
+# ---------------------------------------------------------------------------------------------- batching
+
+def batch_invariant(quantization: dict) -> bool:
+    """Whether an engine quantized as ``quantization`` (its metadata's record) gives a row the same logits alone
+    as batched with other rows (measured bitwise: tests/ort/test_batch_invariance.py).
+
+    Dynamic INT8 MatMuls (methods ``dynamic``, ``mixed``) quantize their activations with ONE scale per tensor,
+    computed over the whole batch, padding included: a row's numbers depend on its batch-mates. MatMulNBits
+    (``blockwise``, INT4) quantizes activations per row and block, FP32 not at all."""
+    return dynamic_int8_weights(quantization) is None
+
+
 
 def dynamic_int8_weights(quantization: dict) -> str | None:
     """How the dynamically quantized MatMuls of an engine hold their weights: ``int8`` (full-range s8: MLAS runs

@@ -105,7 +105,7 @@ def ort_calibrates(q) -> bool:
 class OrtQuantize(Stage):
     """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
-    version = "4"   # 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
+    version = "5"   # 5: the engine metadata records batch_invariant (issue 28); 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
 

@@ -23,16 +23,26 @@ GATES = [
 CHECKPOINT_ONLY = {"simulated_ppl_gap"}
 
 
+# also gated on each evaluation set alone (issue 28): a pooled figure can hide one genre that quantizes badly
+PER_SET = ("ppl_delta_pct", "top1_agreement", "logits_cosine", "logits_max_abs")
+
+
 def check_gates(metrics: dict, thresholds: dict, skip: set[str] = frozenset()) -> list[dict]:
+    """Each threshold against the pooled metric and, for the ``PER_SET`` metrics, against every set of
+    ``metrics["per_set"]`` (gate name ``metric[set/split]``)."""
     out = []
+    scopes = [("", metrics)] + [(f"[{name}]", m) for name, m in sorted((metrics.get("per_set") or {}).items())]
     for metric, key, op in GATES:
         limit = thresholds.get(key)
         if limit is None or metric in skip:
             continue
-        value = metrics.get(metric)
-        ok = value is not None and math.isfinite(value) and (value <= limit if op == "<=" else value >= limit)
-        out.append({"name": metric, "value": value, "op": op, "threshold": limit, "key": f"validate.thresholds.{key}",
-                    "passed": bool(ok)})
+        for scope, m in scopes:
+            if scope and metric not in PER_SET:
+                continue
+            value = m.get(metric)
+            ok = value is not None and math.isfinite(value) and (value <= limit if op == "<=" else value >= limit)
+            out.append({"name": metric + scope, "value": value, "op": op, "threshold": limit,
+                        "key": f"validate.thresholds.{key}", "passed": bool(ok)})
     return out
 
 
@@ -43,7 +53,7 @@ def _shown(value) -> str:
 class ValidateStage(Stage):
     """Gate the evaluation on the recipe's thresholds."""
     name = "validate"
-    version = "1"
+    version = "2"   # 2: the thresholds gate every evaluation set alone too (per_set)
     needs = ("evaluate",)
     skip = CHECKPOINT_ONLY           # an engine's evaluation has no simulated perplexity to compare with
 

@@ -131,7 +131,7 @@ def test_unknown_set_and_split(tiny):
 
 def test_real_manifest_is_complete_and_sotu_disjoint():
     m = data.load_manifest(data.MANIFEST)
-    assert set(m["sets"]) == {"sotu", "wiki", "austen", "prompts"}
+    assert set(m["sets"]) == {"sotu", "wiki", "austen", "code_docs", "licenses", "prompts"}
     for name, e in m["sets"].items():
         for k in ("registry", "package", "version", "licence", "splits"):
             assert e.get(k), (name, k)

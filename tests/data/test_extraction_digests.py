@@ -18,7 +18,7 @@ from pipeline.env import forge_home
 from pipeline.hashing import file_digest
 
 
-@pytest.mark.parametrize("name", ["sotu", "wiki", "austen"])
+@pytest.mark.parametrize("name", ["sotu", "wiki", "austen", "code_docs", "licenses"])
 def test_extraction_reproduces_manifest_digests(name, tmp_path):
     entry = load_manifest()["sets"][name]
     pkg = forge_home() / "data" / "_downloads" / entry["source_file"]

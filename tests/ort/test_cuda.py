@@ -349,11 +349,11 @@ def test_cuda_recipe_stops_at_build_with_exit_3_and_the_finish_command(tmp_path)
 
 @pytest.mark.parametrize("phase", ["receive", "setup", "test", "build", "serve", "bench", "diag"])
 def test_gpu_run_script_phases_dry_run(phase, tmp_path):
-    """scripts/gpu_ort_run.py (the lead's one device script): every phase runs here as a dry run and writes its
+    """lab/gpu_ort_run.py (the lead's one device script): every phase runs here as a dry run and writes its
     JSON under $OUT."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OUT": str(tmp_path), "FORGE_CARRY_DIR": str(tmp_path / "carry"),
            "FORGE_SITE": str(tmp_path / "site" / "site-packages"), "FORGE_HOME": str(tmp_path / "home")}
-    r = subprocess.run([sys.executable, "scripts/gpu_ort_run.py", "--phase", phase, "--dry-run"], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, "lab/gpu_ort_run.py", "--phase", phase, "--dry-run"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     res = json.loads((tmp_path / f"{phase}.json").read_text())

@@ -4,8 +4,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import quant_table as table  # noqa: E402  (scripts/quant_table.py, the docs generator)
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
+import quant_table as table  # noqa: E402  (lab/quant_table.py, the docs generator)
 
 
 def _metrics(algo, ppl, delta, **kw):
@@ -42,5 +42,5 @@ def test_checked_in_doc_matches_its_json():
     j = doc.with_suffix(".json")
     if not (j.exists() and doc.exists()):
         import pytest
-        pytest.skip("docs/quantization.json not generated yet (python scripts/quant_table.py)")
+        pytest.skip("docs/quantization.json not generated yet (python lab/quant_table.py)")
     assert doc.read_text() == table.render(json.loads(j.read_text()))

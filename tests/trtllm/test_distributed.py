@@ -96,7 +96,7 @@ def test_forge_memory_weights_per_rank_match_the_checkpoint_files(request, case)
 
 def _tp_memory_script():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("tp_memory", Path(__file__).parents[2] / "scripts/tp_memory.py")
+    spec = importlib.util.spec_from_file_location("tp_memory", Path(__file__).parents[2] / "lab/tp_memory.py")
     tpm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tpm)
     return tpm
@@ -115,7 +115,7 @@ def test_forge_memory_weights_at_qwen7b_shape_match_the_contract(tp):
 
 
 def test_tp_memory_script_on_cpu(tmp_path):
-    """scripts/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
+    """lab/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
     plan beside it. On CPU there is no GPU memory to report; the rank files must match the plan's weights."""
     tpm = _tp_memory_script()
     cfg = tmp_path / "config.json"

@@ -1,4 +1,4 @@
-"""Print the stages and evaluate metrics of the CUDA recipes' reports under OUT/build (scripts/gpu_session.sh)."""
+"""Print the stages and evaluate metrics of the CUDA recipes' reports under OUT/build (lab/gpu_session.sh)."""
 import json
 import sys
 from pathlib import Path

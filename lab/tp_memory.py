@@ -2,7 +2,7 @@
 
 For each tp:
 1. a Qwen2.5-7B-shaped int8_sq + INT8-KV TensorRT-LLM checkpoint with random weights, written straight from the
-   contract's tensor list (``scripts/reference_memory.py synthetic``: no model, no ModelOpt);
+   contract's tensor list (``lab/reference_memory.py synthetic``: no model, no ModelOpt);
 2. ``torchrun --nproc-per-node <tp> -m pipeline.trtllm.distributed CKPT --resident --bench-allreduce``: each rank
    keeps its own decoder layers on its GPU as stored (int8 + scales), as an engine does;
 3. ``plan_memory`` (what `forge memory` prints) for the same shape, tp, batch and sequence length, with the
@@ -18,7 +18,7 @@ pass (lm_head 4096 rows at a time) instead of holding them, has no paged KV pool
 one linear at a time to float32 (out x in x 4 bytes, transient) and keeps float32 activations. The JSON says which
 figure is which.
 
-    python scripts/tp_memory.py --out OUT [--tp 2 4] [--layers 28] [--samples 4] [--seq-len 512] [--batch 2]
+    python lab/tp_memory.py --out OUT [--tp 2 4] [--layers 28] [--samples 4] [--seq-len 512] [--batch 2]
                                 [--work /tmp/forge-tpmem] [--device auto|cuda|cpu] [--compare] [--config HF.json]
 
 Writes OUT/tp_memory.json and OUT/tp_memory.md; each torchrun's result.json under OUT/tp<N>/.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "lab"))
 QWEN7B = ROOT / "pipeline/model_configs/Qwen--Qwen2.5-7B-Instruct.json"
 DECODER_PARTS = ("decoder linears", "quant scales", "norms/bias")
 

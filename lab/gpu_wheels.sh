@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks (it has torch 2.11+cu130 on Python 3.12 and reaches no package index), for
-# scripts/gpu_run.py, the `forge` CLI (typer) and pytest (issue 18's gpu tests): downloaded here into .whl/
+# lab/gpu_run.py, the `forge` CLI (typer) and pytest (issue 18's gpu tests): downloaded here into .whl/
 # (gitignored), carried with `run(carry=[".whl"])` (< 64 MiB), installed there with
 # `pip install --no-index --no-deps --target /tmp/site .whl/*.whl`. Issue 7's set (docs/gpu-runs.md) minus gguf,
 # pinned to what forge's venv uses.

@@ -1,15 +1,15 @@
 """Issue 17 on the GPU machine (one H200, Python 3.12, torch cu130, no network): ONNX Runtime CUDA engines through
-forge's whole pipeline. Run through scripts/gpu_ort_run.sh (it sets PYTHONPATH and LD_LIBRARY_PATH first).
+forge's whole pipeline. Run through lab/gpu_ort_run.sh (it sets PYTHONPATH and LD_LIBRARY_PATH first).
 
 Phases (each well under the device tool's 10 minutes; every phase writes ``$OUT/<phase>.json`` and logs as it goes):
-  receive  move the carried .carry/partNN/ pieces (scripts/gpu_carry.sh) to /tmp/forge_carry (one call per part)
+  receive  move the carried .carry/partNN/ pieces (lab/gpu_carry.sh) to /tmp/forge_carry (one call per part)
   setup    reassemble + check the bundle, the wheels into /tmp/fsite/site-packages, onnxruntime-gpu by
            `python -m pipeline.gpu_setup install` (as make setup does), FORGE_HOME with
            the default model's GGUF and the eval/calibration text; `forge doctor --json`
   test     pytest -m gpu (the CUDA provider tests)
   build    forge build smollm2-135m-cuda-fp16 smollm2-135m-cuda-int4 smollm2-135m-cuda-int8wo (source .. package; evaluate on the GPU vs FP32)
   serve    forge serve smollm2-135m-cuda-fp16 on the GPU, one /generate answer
-  diag     scripts/gpu_diag.py on the built engines: CUDA vs the CPU provider per position, attention switches
+  diag     lab/gpu_diag.py on the built engines: CUDA vs the CPU provider per position, attention switches
   bench    forge build smollm2-135m-cuda-fp32 --until build, then python -m bench.gpu (FP32/FP16/INT4, CUDA graphs
            on/off, ORT GenAI CUDA int4, PyTorch eager fp16)
 ``--dry-run`` prints the commands of a phase without running them (what the tests run on a CPU machine).
@@ -193,7 +193,7 @@ def bench(p: Phase, reps: int) -> None:
 
 def diag(p: Phase) -> None:
     engines = [str(OUT / "build" / r / "engine") for r in RECIPES if (OUT / "build" / r / "engine").exists() or p.dry]
-    p.sh([PY, "scripts/gpu_diag.py", *engines, "--out", str(OUT / "diag.json")], timeout=140, check=False)
+    p.sh([PY, "lab/gpu_diag.py", *engines, "--out", str(OUT / "diag.json")], timeout=140, check=False)
 
 
 def main(argv=None) -> int:

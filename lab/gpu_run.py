@@ -4,8 +4,8 @@ reference numerics (``--stream-ref``): peak host RSS and wall of a 16 x 512-toke
 Runs on a machine with an NVIDIA GPU and PyTorch; writes JSON results to OUT. Everything here uses
 forge's own modules (the same code the stages call). No TensorRT / TensorRT-LLM is needed or used.
 
-    python scripts/gpu_run.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --home FORGE_HOME --out OUT [--skip-smol] [--skip-7b]
-    python scripts/gpu_run.py --home /tmp --out OUT --skip-smol --stream-ref     # issue 13 (7B int8_sq + INT8 KV, tp 2)
+    python lab/gpu_run.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --home FORGE_HOME --out OUT [--skip-smol] [--skip-7b]
+    python lab/gpu_run.py --home /tmp --out OUT --skip-smol --stream-ref     # issue 13 (7B int8_sq + INT8 KV, tp 2)
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def qwen7b(args, results):
 def stream_ref(args, results):
     """Issue 13: the 7B tp 2 int8_sq + INT8-KV checkpoint of ``qwen7b`` through the streaming reference numerics,
     16 x 512 tokens, 2 windows per forward (as the evaluate_checkpoint stage calls it), CUDA then CPU, each in a
-    fresh process (scripts/reference_memory.py) so its peak RSS is its own."""
+    fresh process (lab/reference_memory.py) so its peak RSS is its own."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from reference_memory import measure
 

@@ -2,7 +2,7 @@
 position, on real text, under ONNX Runtime's attention-kernel switches. Separates a CUDA kernel fault from a graph
 fault (the CPU provider upcasts fp16 nodes it has no fp16 kernel for, the CUDA provider does not).
 
-    python scripts/gpu_diag.py ENGINE_DIR [ENGINE_DIR ...] --out diag.json
+    python lab/gpu_diag.py ENGINE_DIR [ENGINE_DIR ...] --out diag.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """INT8 engines vs the FP32 engine on every evaluation set of a recipe, side by side (docs/quantization.md).
 
-    python scripts/int8_heldout.py --ref fp32=DIR --engine blockwise=DIR --engine mixed=DIR [--recipe R] [--out J]
+    python lab/int8_heldout.py --ref fp32=DIR --engine blockwise=DIR --engine mixed=DIR [--recipe R] [--out J]
 
 For each set of the recipe's ``validate.eval`` (same windows as the evaluate stage): perplexity delta and top-1
 agreement of each engine against the FP32 ONNX Runtime engine, plus whether three of the set's windows cut to

@@ -12,8 +12,8 @@ Two parts:
   ``one`` streams it once for all batches. Peak RSS is sampled every 20 ms (psutil) and also read from
   ``ru_maxrss``; the result is compared with the largest ``rank{N}.safetensors``.
 
-    python scripts/reference_memory.py synthetic --out /tmp/ck --layers 6 [--config HF_CONFIG.json] [--tp 2]
-    python scripts/reference_memory.py measure --ckpt /tmp/ck --device cpu --samples 16 --seq-len 512 --batch 2
+    python lab/reference_memory.py synthetic --out /tmp/ck --layers 6 [--config HF_CONFIG.json] [--tp 2]
+    python lab/reference_memory.py measure --ckpt /tmp/ck --device cpu --samples 16 --seq-len 512 --batch 2
 """
 
 from __future__ import annotations

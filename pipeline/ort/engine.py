@@ -230,12 +230,10 @@ class OrtEngine:
         # Dynamic INT8 MatMuls quantize their activations with ONE scale per tensor, computed over the whole batch:
         # a row's numbers then depend on the rows (and padding) it is batched with. Such an engine answers each
         # request as it was validated only when rows run one at a time (the Triton model does that). The quantize
-        # stage records it as ``batch_invariant``; engines from before the field are judged by their quantization.
-        if "batch_invariant" in self.meta:
-            self.batch_invariant = bool(self.meta["batch_invariant"])
-        else:
-            from .quantize import batch_invariant
-            self.batch_invariant = batch_invariant(self.meta.get("quantization") or {})
+        # stage records it as ``batch_invariant`` (pipeline/ort/quantize.py: batch_invariant). An engine from before
+        # the field counts as invariant only when unquantized: no batch-wide scales (tests/ort/test_batcher.py).
+        self.batch_invariant = bool(self.meta.get("batch_invariant",
+                                                  (self.meta.get("quantization") or {}).get("algo", "none") == "none"))
         self._tokenizer = None
         self._gather = None
         self._caches: dict[int, KVCache] = {}

@@ -19,6 +19,8 @@ def next_token(t: int) -> int:
 
 
 class OrtEngine:
+    batch_invariant = True    # every row is computed on its own (no batch-wide scales), as OrtEngine says of FP32
+
     def __init__(self, model_dir, threads=0):
         so = ort.SessionOptions()
         if threads:

@@ -55,13 +55,12 @@ class TritonPythonModel:
         # request at a time, as its greedy tokens were validated. Unquantized (FP32/FP16) graphs have no
         # batch-wide scales: tests/ort/test_batcher.py measures their batched tokens equal to each prompt alone.
         self.batcher_module = importlib.import_module(_param(cfg, "batcher_module", "forge_batcher"))
-        meta = dict(getattr(self.engine, "meta", None) or {})
-        if "batch_invariant" not in meta:
-            meta["batch_invariant"] = (meta.get("quantization") or {}).get("algo", "none") == "none"
+        # OrtEngine.batch_invariant is the one reading of forge_ort.json; an engine class without it is not batched
+        batched = bool(getattr(self.engine, "batch_invariant", False))
         self.decoupled = bool(cfg.get("model_transaction_policy", {}).get("decoupled", False))
         self.batcher = self.batcher_module.ContinuousBatcher(
             self.engine, max_batch=int(cfg.get("max_batch_size") or 1), max_queue=int(_param(cfg, "max_queue_size", "64")),
-            batched=bool(meta.get("batch_invariant", False))).start()
+            batched=batched).start()
 
     @staticmethod
     def _opt(request, name, batch, default, dtype):

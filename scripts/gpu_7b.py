@@ -86,6 +86,9 @@ def step(res: dict, name: str, cmd: list[str], timeout: int, log) -> int:
 
 
 def build(res: dict, log, layers: int, timeout: int) -> None:
+    # the tokenizer: the only one on the GPU machine is the builtin SmolLM2's (converted from its GGUF once)
+    step(res, "smollm2 builtin (tokenizer)", [PY, "-c", "from pathlib import Path; from pipeline.source import "
+         f"resolve_source; print(resolve_source('builtin:smollm2-135m-instruct', Path('{HOME}')).path)"], 120, log)
     smol = sorted((HOME / "models").glob("smollm2-135m-instruct-*/tokenizer.json"))
     if not (MODEL / "model.safetensors").exists():
         step(res, "random weights (cuda)", [PY, str(ROOT / "scripts/random_hf_model.py"), "--config",
@@ -121,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--run", default="1")
     ap.add_argument("--timeout", type=int, default=480)
+    ap.add_argument("--no-peers", action="store_true", help="bench: our engines only (no PyTorch eager)")
     a = ap.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     phase = a.phase if a.phase != "bench" else f"bench{a.run}"
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
             engines = [f"--engine={n}={(OUT / 'build' / r / 'engine').resolve()}"
                        for n, r in (("fp16", RECIPES[0]), ("int4", RECIPES[1]))]
             step(res, f"bench.gpu run {a.run}", [PY, "-m", "bench.gpu", *engines, "--hf-dir", str(MODEL), "--no-oga",
-                                                 "--out", str(OUT / f"bench{a.run}")], a.timeout, log)
+                                                 *(["--no-peers"] if a.no_peers else []), "--out", str(OUT / f"bench{a.run}")], a.timeout, log)
         else:
             step(res, "serve fp16 (tritonserver) + one /generate", [PY, str(ROOT / "scripts/gpu_ort_run.py"),
                  "--phase", "serve", "--recipes", RECIPES[0]], a.timeout, log)

@@ -30,6 +30,8 @@ dl transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 tokenizers==0.23.3 
   onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.5.4 protobuf==6.33.6 nvidia-ml-py==13.615.71 \
   coloredlogs==15.0.1 humanfriendly==10.0 flatbuffers==25.12.19 gguf==0.19.0 tritonclient==2.73.0 \
   httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 anyio==4.16.0
+# tritonclient's grpc extra (pyproject: tritonclient[http,grpc]): the package stage parses config.pbtxt with it
+dl grpcio==1.85.3 python-rapidjson==1.25 packaging==26.4
 # nvidia-pytriton 0.7.0 is tagged manylinux_2_35 only (hence that platform above)
 if [ "${SERVE:-0}" = 1 ]; then dl numpy==1.26.4 nvidia-pytriton==0.7.0; fi
 if [ "${OGA:-${SERVE:-0}}" = 1 ]; then dl onnxruntime-genai-cuda==0.18.0; fi

@@ -39,21 +39,22 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--bits", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the fp32 model is 4 bytes a parameter)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     tok = AutoTokenizer.from_pretrained(a.model_dir)
     ids = tok(Path(a.text).read_text()[:200_000])["input_ids"][:a.tokens]
-    ids = torch.tensor(ids).view(-1, a.window)
-    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor(ids).view(-1, a.window).to(a.device)
+    model = AutoModelForCausalLM.from_pretrained(a.model_dir, dtype=torch.float32).to(a.device).eval()
     original = {n: p.detach().clone() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n}
 
     def run():
-        return torch.cat([model(input_ids=r[None]).logits[0] for r in ids])
+        return torch.cat([model(input_ids=r[None]).logits[0].float().cpu() for r in ids])
 
     def nll(logits):
         lp = torch.log_softmax(logits[:-1].double(), -1)
-        tgt = ids.reshape(-1)[1:]
+        tgt = ids.reshape(-1)[1:].cpu()
         keep = torch.ones_like(tgt, dtype=torch.bool)
         keep[a.window - 1::a.window] = False    # no target across windows
         return -lp[torch.arange(len(tgt)), tgt][keep].mean().item()

@@ -135,8 +135,9 @@ def main(argv=None) -> int:
         elif a.phase == "bench":
             engines = [f"--engine={n}={(OUT / 'build' / r / 'engine').resolve()}"
                        for n, r in (("fp16", RECIPES[0]), ("int4", RECIPES[1]))]
+            peers = ["--no-peers"] if a.no_peers else []
             step(res, f"bench.gpu run {a.run}", [PY, "-m", "bench.gpu", *engines, "--hf-dir", str(MODEL), "--no-oga",
-                                                 *(["--no-peers"] if a.no_peers else []), "--out", str(OUT / f"bench{a.run}")], a.timeout, log)
+                                                 *peers, "--out", str(OUT / f"bench{a.run}")], a.timeout, log)
         else:
             step(res, "serve fp16 (tritonserver) + one /generate", [PY, str(ROOT / "scripts/gpu_ort_run.py"),
                  "--phase", "serve", "--recipes", RECIPES[0]], a.timeout, log)

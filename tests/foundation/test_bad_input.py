@@ -130,8 +130,8 @@ def test_int4_block_size_checked_at_plan_time(block, expect, capsys, monkeypatch
 
 
 OVERRIDE_CASES = {
-    "negative_index": ("validate.eval.-1.samples=4", "'-1' is not a position in a list of 2"),
-    "index_past_end": ("validate.eval.5.samples=4", "position 5 does not exist in a list of 2"),
+    "negative_index": ("validate.eval.-1.samples=4", "'-1' is not a position in a list of 4 (use 0 to 3)"),
+    "index_past_end": ("validate.eval.5.samples=4", "position 5 does not exist in a list of 4 (use 0 to 3)"),
     "empty_part": ("quantize..samples=4", "is not a key path"),
     "no_value": ("novalue", "expected KEY.PATH=VALUE"),
     "typo": ("quantize.calibraton.samples=3", "did you mean 'quantize.calibration'"),

@@ -43,4 +43,15 @@ def test_checked_in_doc_matches_its_json():
     if not (j.exists() and doc.exists()):
         import pytest
         pytest.skip("docs/quantization.json not generated yet (python lab/quant_table.py)")
-    assert doc.read_text() == table.render(json.loads(j.read_text()))
+    text = doc.read_text()
+    generated = text.split("\n" + table.HAND_WRITTEN)[0]   # what _write wrote before the hand-written tail
+    assert generated == table.render(json.loads(j.read_text()))
+
+
+def test_regenerating_keeps_the_hand_written_tail(tmp_path):
+    out = tmp_path / "q.md"
+    out.write_text("old table\n\n" + table.HAND_WRITTEN + "\n\nby hand\n")
+    table._write(out, "new table\n")
+    assert out.read_text() == "new table\n\n" + table.HAND_WRITTEN + "\n\nby hand\n"
+    table._write(tmp_path / "fresh.md", "only\n")
+    assert (tmp_path / "fresh.md").read_text() == "only\n"

@@ -3,7 +3,7 @@ wheel, with the CUDA/cuDNN runtime libraries as wheels (loaded by forge itself: 
 
     python -m pipeline.gpu_setup plan     what would be done here, as JSON (changes nothing)
     python -m pipeline.gpu_setup install  do it (``make setup`` runs this; without a GPU it changes nothing)
-        [--no-index --find-links DIR]     from local wheels instead of the package index (the GPU lab machine)
+        [--no-index --find-links DIR ...] from local wheels instead of the package index (the GPU lab machine)
 
 The GPU is found through NVML (libnvidia-ml.so.1, the driver's own library) or else ``nvidia-smi``.
 ``FORGE_GPU=0`` keeps the CPU wheel on a GPU machine; ``FORGE_GPU=1`` installs the GPU wheels without a probe.
@@ -133,9 +133,14 @@ def plan(gpu: dict, reqs: list[str], *, python: str = sys.executable, pip_args: 
         return out
     pip = [python, "-m", "pip"]
     pin = ort_gpu_pin(reqs)
-    # both wheels install the same `onnxruntime` package folder: the CPU one goes first (not beside)
-    if have("onnxruntime"):
+    # both wheels install the same `onnxruntime` package folder: the CPU one goes first (not beside). Before it
+    # goes, a dry run proves the GPU wheels resolve (index or --find-links), and a failure after it puts it back:
+    # a failed setup leaves the CPU wheel working, never no onnxruntime at all.
+    cpu = have("onnxruntime")
+    if cpu:
+        out["steps"].append([*pip, "install", "--dry-run", "-q", *pip_args, *reqs])
         out["steps"].append([*pip, "uninstall", "-y", "onnxruntime"])
+        out["rollback"] = [*pip, "install", "-q", *pip_args, f"onnxruntime=={cpu}"]
     out["steps"].append([*pip, "install", "-q", *pip_args, *reqs])
     if have("onnxruntime") and have("onnxruntime-gpu"):
         # the uninstall above removed files the GPU wheel shares with it; pip thinks that wheel still complete
@@ -154,11 +159,18 @@ def install(p: dict, run: Callable = subprocess.run) -> int:
     print(p["reason"], flush=True)
     if p["action"] == "refuse":
         return 2
+    removed = False
     for step in p["steps"]:
         print("$ " + " ".join(step), flush=True)
         if run(step).returncode != 0:
             print(f"gpu setup: step failed: {' '.join(step)}", file=sys.stderr)
+            if removed and p.get("rollback"):
+                print("gpu setup: putting the CPU onnxruntime back: $ " + " ".join(p["rollback"]), file=sys.stderr)
+                if run(p["rollback"]).returncode != 0:
+                    print("gpu setup: the CPU onnxruntime could not be put back: run `make setup` again",
+                          file=sys.stderr)
             return 1
+        removed = removed or step[3:5] == ["uninstall", "-y"]
     if p["action"] != "gpu":
         return 0
     # a fresh interpreter: the one that ran pip may still hold the old onnxruntime
@@ -180,12 +192,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("command", choices=("plan", "install"))
     ap.add_argument("--python", default=sys.executable, help="the interpreter whose environment is set up")
     ap.add_argument("--no-index", action="store_true", help="pip --no-index (with --find-links)")
-    ap.add_argument("--find-links", metavar="DIR", help="pip --find-links DIR: local wheels (no network)")
+    ap.add_argument("--find-links", metavar="DIR", action="append", default=[],
+                    help="pip --find-links DIR: local wheels (no network); repeatable")
     a = ap.parse_args(argv)
-    if a.find_links and not Path(a.find_links).is_dir():
-        print(f"gpu setup: --find-links {a.find_links}: no such folder", file=sys.stderr)
-        return 2
-    pip_args = (("--no-index",) if a.no_index else ()) + (("--find-links", a.find_links) if a.find_links else ())
+    for d in a.find_links:
+        if not Path(d).is_dir():
+            print(f"gpu setup: --find-links {d}: no such folder", file=sys.stderr)
+            return 2
+    pip_args = (("--no-index",) if a.no_index else ()) + tuple(x for d in a.find_links for x in ("--find-links", d))
     try:
         p = plan(probe(), gpu_requirements(), python=a.python, pip_args=pip_args)
     except ValueError as e:

@@ -68,15 +68,19 @@ def test_gpu_replaces_the_cpu_wheel_not_beside_it():
     p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="/v/bin/python",
                 have=lambda n: "1.23.0" if n == "onnxruntime" else None)
     assert p["action"] == "gpu"
-    assert p["steps"] == [["/v/bin/python", "-m", "pip", "uninstall", "-y", "onnxruntime"],
+    assert p["steps"] == [["/v/bin/python", "-m", "pip", "install", "--dry-run", "-q", *reqs],
+                          ["/v/bin/python", "-m", "pip", "uninstall", "-y", "onnxruntime"],
                           ["/v/bin/python", "-m", "pip", "install", "-q", *reqs]]
+    assert p["rollback"] == ["/v/bin/python", "-m", "pip", "install", "-q", "onnxruntime==1.23.0"]
     # both wheels installed (a later `pip install -e .` brought the CPU one back over the GPU one's files):
     # the CPU one out, then the GPU wheel's files restored
     p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="py", pip_args=("--no-index", "--find-links", "/w"),
                 have=lambda n: "1.31.1")
-    assert p["steps"][0][-1] == "onnxruntime" and p["steps"][1][5:7] == ["--no-index", "--find-links"]
-    assert p["steps"][2][-4:] == ["--no-index", "--find-links", "/w", gs.ort_gpu_pin(reqs)]
-    assert "--force-reinstall" in p["steps"][2]
+    assert p["steps"][0][3:5] == ["install", "--dry-run"] and p["steps"][0][6:8] == ["--no-index", "--find-links"]
+    assert p["steps"][1][-1] == "onnxruntime" and p["steps"][2][5:7] == ["--no-index", "--find-links"]
+    assert p["steps"][3][-4:] == ["--no-index", "--find-links", "/w", gs.ort_gpu_pin(reqs)]
+    assert "--force-reinstall" in p["steps"][3]
+    assert p["rollback"][-4:] == ["--no-index", "--find-links", "/w", "onnxruntime==1.31.1"]
     # already the GPU wheel only: just make sure the CUDA wheels are there
     p = gs.plan(dict(H200, found=True, tried=[]), reqs, python="py", have=lambda n: "1.31.1" if "gpu" in n else None)
     assert [s[3] for s in p["steps"]] == ["install"]
@@ -101,13 +105,33 @@ def test_install_runs_the_steps_then_checks_the_provider_in_a_fresh_interpreter(
             return subprocess.CompletedProcess(cmd, 0, json.dumps({"problem": None, "providers": ["CUDAExecutionProvider"]}), "")
         return subprocess.CompletedProcess(cmd, 0)
     assert gs.install(p, run=run) == 0
-    assert ran[:2] == p["steps"] and ran[2][:2] == ["py", "-c"] and "ort_cuda_status" in ran[2][2]
+    assert ran[:3] == p["steps"] and ran[3][:2] == ["py", "-c"] and "ort_cuda_status" in ran[3][2]
 
     def broken(cmd, **kw):
         out = json.dumps({"problem": "CUDAExecutionProvider cannot load libcublas.so.13"}) if cmd[1] == "-c" else ""
         return subprocess.CompletedProcess(cmd, 0, out, "")
     assert gs.install(p, run=broken) == 1
     assert gs.install(p, run=lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1)) == 1     # a pip step failed
+
+
+def test_a_failed_gpu_install_leaves_the_cpu_wheel_working():
+    """The GPU wheels not found: nothing is uninstalled; the install failing after the uninstall: CPU wheel back."""
+    p = gs.plan(dict(H200, found=True, tried=[]), gs.gpu_requirements(), python="py",
+                have=lambda n: "1.32.0" if n == "onnxruntime" else None)
+
+    def failing(which):
+        ran = []
+
+        def run(cmd, **kw):
+            ran.append(cmd)
+            return subprocess.CompletedProcess(cmd, 1 if cmd[3:5] == which else 0)
+        return ran, run
+    ran, run = failing(["install", "--dry-run"])      # e.g. no onnxruntime-gpu in the --find-links folder
+    assert gs.install(p, run=run) == 1 and len(ran) == 1 and not any("uninstall" in c for c in ran)
+    ran, run = failing(["install", "-q"])             # the real install fails after the CPU wheel went
+    assert gs.install(p, run=run) == 1
+    assert [c[3] for c in ran] == ["install", "uninstall", "install", "install"]
+    assert ran[-1] == p["rollback"] and ran[-1][-1] == "onnxruntime==1.32.0"
 
 
 def test_cli_plan_on_this_machine_and_bad_input(tmp_path):
@@ -124,6 +148,14 @@ def test_cli_plan_on_this_machine_and_bad_input(tmp_path):
     assert r.returncode == 2 and "FORGE_GPU='maybe'" in r.stderr and "Traceback" not in r.stderr
     r = cli("install", "--find-links", str(tmp_path / "nope"))
     assert r.returncode == 2 and "no such folder" in r.stderr
+    # --find-links is repeatable: every folder reaches pip (a second one replaced the first before)
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    r = cli("plan", "--no-index", "--find-links", str(tmp_path / "a"), "--find-links", str(tmp_path / "b"),
+            env={"FORGE_GPU": "1"})
+    steps = json.loads(r.stdout)["steps"]
+    assert r.returncode == 0 and all(str(tmp_path / d) in s for s in steps if "uninstall" not in s for d in "ab")
+    r = cli("install", "--find-links", str(tmp_path / "a"), "--find-links", str(tmp_path / "nope"))
+    assert r.returncode == 2 and "nope: no such folder" in r.stderr
 
 
 def test_makefile_setup_runs_the_gpu_setup_after_the_cpu_install():

@@ -65,7 +65,8 @@ def step(res: dict, name: str, cmd: list[str], timeout: int, log, split_stages: 
     gpu0 = gpu_used_mb()
     t0 = time.time()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE if split_stages else log, stderr=subprocess.STDOUT,
-                            text=split_stages or None)
+                            text=split_stages or None, encoding="utf-8" if split_stages else None,
+                            errors="replace" if split_stages else None)
     peak = {"gpu": gpu0 or 0.0, "rss": 0.0}
     seg = {"gpu": 0.0, "rss": 0.0, "t": t0}
     stages: list[dict] = []

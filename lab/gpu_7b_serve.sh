@@ -76,8 +76,12 @@ bg)
     [ "$(sha256sum $W/late/$n | cut -d' ' -f1)" = "$sha" ]; }
   mkdir -p $W/late
   until carve "$(late_files | cut -d' ' -f1)"; do sleep 2; done; t "ort-gpu wheel whole"
-  lab/gpu_ort_run.sh --exec python3 -m pipeline.gpu_setup install --no-index --find-links $W/late \
-    --find-links $C/w-small; t "gpu_setup rc $?"
+  # ONE --find-links (pipeline/gpu_setup.py takes one folder; a second replaced the first in the 2026-12-04 run and
+  # pip found no onnxruntime-gpu): the GPU wheel's own needs (flatbuffers, numpy, packaging, protobuf, nvidia-*)
+  # are the image's. A failed swap stops here: without onnxruntime the export key changes and export re-runs.
+  if ! lab/gpu_ort_run.sh --exec python3 -m pipeline.gpu_setup install --no-index --find-links $W/late; then
+    t "gpu_setup failed: stop"; touch $W/bg.done; exit 1; fi
+  t "gpu_setup ok"
   lab/gpu_ort_run.sh --exec python3 -m pipeline.cli doctor --json > $O/doctor.json 2>&1
   $G forge --recipes $R --tag b --timeout 500; t "forge b"
   find $FORGE_CACHE -name generations.json -newer $S/lab -exec cp {} $O/ \;

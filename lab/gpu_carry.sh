@@ -31,7 +31,10 @@ dl transformers==5.24.0 huggingface-hub==2.4.0 hf-xet==1.8.0 tokenizers==0.23.3 
   coloredlogs==15.0.1 humanfriendly==10.0 flatbuffers==25.12.19 gguf==0.19.0 tritonclient==2.73.0 \
   httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 idna==3.20 anyio==4.16.0
 # tritonclient's grpc extra (pyproject: tritonclient[http,grpc]): the package stage parses config.pbtxt with it
-dl grpcio==1.85.3 python-rapidjson==1.25 packaging==26.4
+# (2.73's generated code wants grpcio >= 1.81.1 and protobuf >= 6.33.5); its http client imports gevent and
+# geventhttpclient, which the GPU image lacks (bench.serve drives forge serve over both)
+dl grpcio==1.85.3 python-rapidjson==1.25 packaging==26.4 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
+  zope.event==6.2 zope.interface==8.7 brotli==1.2.1
 # nvidia-pytriton 0.7.0 is tagged manylinux_2_35 only (hence that platform above)
 if [ "${SERVE:-0}" = 1 ]; then dl numpy==1.26.4 nvidia-pytriton==0.7.0; fi
 if [ "${OGA:-${SERVE:-0}}" = 1 ]; then dl onnxruntime-genai-cuda==0.18.0; fi

@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "scaleout.json")
     a = ap.parse_args()
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     overrides = [] if a.full else _ci_overrides()
     home = forge_home()
     runs = []

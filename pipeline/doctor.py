@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from . import gpu_topology as topo
 
-from .env import TOOLS, cpu_model, nvml_sm, tool_version
+from .host.cpu import cpu_model
+from .host.gpu import nvml_sm
+from .host.tools import TOOLS, tool_version
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -44,7 +46,7 @@ THROTTLE_BITS = {
     0x100: "display_clock_setting",
 }
 
-# tools to report (pipeline.env.TOOLS labels: the first installed distribution of each wins)
+# tools to report (pipeline.host.tools.TOOLS labels: the first installed distribution of each wins)
 REPORTED = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "onnxruntime_genai", "tensorrt", "tensorrt_llm",
             "tritonclient", "pytriton", "nvidia_ml_py", "llama_cpp_python")
 REQUIRED = {
@@ -125,7 +127,7 @@ def _compact(cpus: list[int]) -> str:
 
 
 def collect_host() -> dict[str, Any]:
-    from .env import cpu_isa
+    from .host.cpu import cpu_isa
     nodes = {}
     base = Path("/sys/devices/system/node")
     for d in sorted(base.glob("node[0-9]*")) if base.exists() else []:
@@ -356,7 +358,7 @@ def _recipe_quantizations() -> dict[str, dict]:
 
 
 def isa_findings(host: dict, quantizations: dict[str, dict]) -> list[dict]:
-    """The CPU's ISA class (pipeline/env.py) against the INT8 methods of recipes / built engines
+    """The CPU's ISA class (pipeline/host/cpu.py) against the INT8 methods of recipes / built engines
     (``quantizations``: label -> quantize section or engine quantization metadata)."""
     from .ort.quantize import isa_accuracy_risk
 
@@ -531,7 +533,7 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
                                      f"pip install {TOOLS[label][0]} (`make setup` installs everything forge "
                                      f"needs)"))
     if ort_cuda is None:
-        from .env import ort_cuda_status
+        from .host.cuda import ort_cuda_status
         ort_cuda = ort_cuda_status()
     findings.extend(ort_cuda_findings(ort_cuda, bool(gpus)))
     order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -606,7 +608,7 @@ def render_doctor(report: dict, console) -> None:
                   + (f", usable (session providers {oc.get('session_providers')})" if oc.get("cuda_provider")
                      and not oc.get("problem") else "") + (f"; CUDA libraries: {libs}" if libs else ""))
     dirs = sorted({str(Path(v).parent) for v in ((oc.get("preloaded") or {}).get("loaded") or {}).values() if v})
-    if dirs:        # forge loads NVIDIA's wheel libraries itself (pipeline.env.preload_cuda): no LD_LIBRARY_PATH
+    if dirs:        # forge loads NVIDIA's wheel libraries itself (pipeline.host.cuda.preload_cuda): no LD_LIBRARY_PATH
         console.print(f"CUDA libraries loaded by forge from: {', '.join(dirs)}")
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     if not report["findings"]:

@@ -216,7 +216,7 @@ def _peak_rss_bytes() -> int:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from ..env import cpu_model
+    from ..host.cpu import cpu_model
     return f"cpu ({cpu_model()})"
 
 

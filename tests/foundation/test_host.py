@@ -1,4 +1,4 @@
-"""pipeline/env.py, the one home of machine facts: tool versions with distribution aliases, GPU SM (NVML first,
+"""pipeline/host/, the one home of machine facts: tool versions with distribution aliases, GPU SM (NVML first,
 torch fallback), the peak-RSS sampler, atomic publishing; and the one status / exit-code vocabulary."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import threading
 from pathlib import Path
 
-from pipeline import env
+from pipeline.host import files, gpu, rss, tools
 from pipeline.status import EXIT_CODES, Status, exit_code, overall
 
 
@@ -20,11 +20,11 @@ def test_tool_versions_follow_distribution_aliases(monkeypatch):
             return installed[dist]
         raise importlib.metadata.PackageNotFoundError(dist)
     monkeypatch.setattr(importlib.metadata, "version", version)
-    assert env.tool_version("tensorrt") == "10.13.0"                 # tensorrt-cu12 provides tensorrt
-    assert env.tool_version("tensorrt_llm") == env.tool_version("tensorrt-llm") == "1.2.0"
-    assert env.tool_label("nvidia-modelopt") == "modelopt" and env.tool_version("modelopt") == "0.47.0"
-    assert env.tool_version("onnxruntime") is None
-    assert env.tool_versions(["tensorrt-cu12", "nvidia-modelopt"]) == {"tensorrt": "10.13.0", "modelopt": "0.47.0"}
+    assert tools.tool_version("tensorrt") == "10.13.0"                 # tensorrt-cu12 provides tensorrt
+    assert tools.tool_version("tensorrt_llm") == tools.tool_version("tensorrt-llm") == "1.2.0"
+    assert tools.tool_label("nvidia-modelopt") == "modelopt" and tools.tool_version("modelopt") == "0.47.0"
+    assert tools.tool_version("onnxruntime") is None
+    assert tools.tool_versions(["tensorrt-cu12", "nvidia-modelopt"]) == {"tensorrt": "10.13.0", "modelopt": "0.47.0"}
 
 
 def test_stage_keys_and_manifests_name_tools_by_label():
@@ -61,10 +61,10 @@ class FakeNvml:
 
 
 def test_gpu_sm_from_nvml_then_torch(monkeypatch):
-    assert env.gpus(FakeNvml([90, 89])) == [{"index": 0, "name": "NVIDIA H200", "sm": 90},
+    assert gpu.gpus(FakeNvml([90, 89])) == [{"index": 0, "name": "NVIDIA H200", "sm": 90},
                                             {"index": 1, "name": "NVIDIA H200", "sm": 89}]
-    monkeypatch.setattr(env, "_torch_gpus", lambda: [{"index": 0, "name": "torch says", "sm": 80}])
-    assert env.gpus(FakeNvml([], fail=True)) == [{"index": 0, "name": "torch says", "sm": 80}]
+    monkeypatch.setattr(gpu, "_torch_gpus", lambda: [{"index": 0, "name": "torch says", "sm": 80}])
+    assert gpu.gpus(FakeNvml([], fail=True)) == [{"index": 0, "name": "torch says", "sm": 80}]
 
 
 def test_one_fp8_rule():
@@ -76,7 +76,7 @@ def test_one_fp8_rule():
 
 def test_peak_rss_sees_memory_allocated_inside_the_block():
     import mmap
-    with env.PeakRss(interval=0.01) as m:
+    with rss.PeakRss(interval=0.01) as m:
         # a fresh anonymous mapping: its pages become resident only when touched (a bytearray may reuse heap pages
         # freed earlier in a long test session that are still resident, so RSS need not grow: CI found that)
         block = mmap.mmap(-1, 64 * 2**20)
@@ -85,24 +85,24 @@ def test_peak_rss_sees_memory_allocated_inside_the_block():
         threading.Event().wait(0.05)
     assert m.peak - m.start >= 48 * 2**20
     block.close()
-    assert env.process_peak_rss_bytes() >= m.peak - 2**20
+    assert rss.process_peak_rss_bytes() >= m.peak - 2**20
 
 
 def test_atomic_write_and_publish(tmp_path):
     f = tmp_path / "a" / "report.json"
-    env.atomic_write(f, "one")
-    env.atomic_write(f, b"two")
+    files.atomic_write(f, "one")
+    files.atomic_write(f, b"two")
     assert f.read_text() == "two" and [p.name for p in f.parent.iterdir()] == ["report.json"]
     link = tmp_path / "engine"
-    env.atomic_symlink(link, str(tmp_path / "x"))
-    env.atomic_symlink(link, str(tmp_path / "y"))
+    files.atomic_symlink(link, str(tmp_path / "x"))
+    files.atomic_symlink(link, str(tmp_path / "y"))
     assert os.readlink(link) == str(tmp_path / "y")
     mine, theirs = tmp_path / "t1", tmp_path / "t2"
     for d, text in ((mine, "mine"), (theirs, "theirs")):
         d.mkdir()
         (d / "f").write_text(text)
-    assert env.publish_dir(theirs, tmp_path / "final") is True
-    assert env.publish_dir(mine, tmp_path / "final") is False            # the first one stays
+    assert files.publish_dir(theirs, tmp_path / "final") is True
+    assert files.publish_dir(mine, tmp_path / "final") is False            # the first one stays
     assert (tmp_path / "final" / "f").read_text() == "theirs" and not mine.exists()
 
 

@@ -23,6 +23,8 @@ import threading
 import time
 from pathlib import Path
 
+from pipeline.host.rss import PeakRss
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT") or ROOT / "out-gpu")
 HOME = Path(os.environ.get("FORGE_HOME", "/tmp/fh"))
@@ -41,15 +43,6 @@ def gpu_used_mb() -> float | None:
         return None
 
 
-def tree_rss_mb(pid: int) -> float:
-    import psutil
-    try:
-        p = psutil.Process(pid)
-        return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]) / 2**20
-    except psutil.Error:
-        return 0.0
-
-
 def step(res: dict, name: str, cmd: list[str], timeout: int, log) -> int:
     """Run one step, sampling its peaks; record it in res['steps'] and save."""
     print(f"$ {' '.join(map(str, cmd))}", flush=True)
@@ -59,21 +52,22 @@ def step(res: dict, name: str, cmd: list[str], timeout: int, log) -> int:
     peak = {"gpu": gpu0 or 0.0, "rss": 0.0}
     stop = threading.Event()
 
-    def sample():
+    def sample():       # the GPU's used memory; the step's RSS is forge's own sampler's (PeakRss)
         while not stop.is_set():
             g = gpu_used_mb()
             if g is not None:
                 peak["gpu"] = max(peak["gpu"], g)
-            peak["rss"] = max(peak["rss"], tree_rss_mb(proc.pid))
             stop.wait(0.1)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    try:
-        rc = proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = "timeout"
+    with PeakRss(interval=0.1, pid=proc.pid) as rss:
+        try:
+            rc = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "timeout"
+    peak["rss"] = rss.peak / 2**20
     stop.set()
     th.join()
     log.flush()

@@ -8,15 +8,16 @@ import threading
 
 
 class PeakRss:
-    """Peak resident memory of this process and its children while a block runs (sampled in a thread).
+    """Peak resident memory of this process (or of process ``pid``) and its children while a block runs (sampled
+    in a thread); the one RSS sampler of forge, bench and lab.
 
     ``with PeakRss() as m: ...`` then ``m.peak`` (bytes, at least the value at entry and exit) and
-    ``m.start`` (bytes at entry)."""
+    ``m.start`` (bytes at entry). A process that has exited counts as 0 bytes."""
 
-    def __init__(self, interval: float = 0.2, children: bool = True):
+    def __init__(self, interval: float = 0.2, children: bool = True, pid: int | None = None):
         import psutil
         self._psutil = psutil
-        self._proc = psutil.Process()
+        self._proc = psutil.Process(pid)
         self.interval, self.children = interval, children
         self.start = self.peak = 0
         self._stop = threading.Event()

@@ -88,6 +88,55 @@ def test_peak_rss_sees_memory_allocated_inside_the_block():
     assert rss.process_peak_rss_bytes() >= m.peak - 2**20
 
 
+def test_peak_rss_of_another_process_tree():
+    """PeakRss(pid=...) watches a child process (lab/gpu_7b.py's steps): its peak is the child's, not this
+    process's, and a process that has exited reads as 0 bytes, not an error."""
+    import subprocess
+    import sys
+    code = ("import mmap, time; time.sleep(0.3); b = mmap.mmap(-1, 64 * 2**20)\n"
+            "for i in range(0, len(b), 4096): b[i] = 1\n"
+            "time.sleep(0.3)")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    with rss.PeakRss(interval=0.01, children=False, pid=proc.pid) as m:      # this process alone would not grow
+        proc.wait(30)
+    assert proc.returncode == 0 and m.peak - m.start >= 48 * 2**20
+    assert m.rss() == 0
+
+
+def test_one_nvml_call_helper():
+    """Every NVML query that may be unsupported goes through host.gpu.nvml_call: missing function or NVMLError
+    -> None, bytes -> str; any other error is not swallowed. doctor and gpu_topology keep no copy of their own."""
+    import inspect
+
+    import pytest
+
+    from pipeline import doctor, gpu_topology
+
+    class FakeNvmlError(Exception):
+        pass
+
+    class Nvml:
+        NVMLError = FakeNvmlError
+
+        def nvmlDeviceGetName(self, h):
+            return b"NVIDIA H200"
+
+        def nvmlDeviceGetNumaNodeId(self, h):
+            raise FakeNvmlError("Not Supported")
+
+        def nvmlDeviceGetPciInfo(self, h):
+            raise ValueError("a bug, not an NVML answer")
+    nv = Nvml()
+    assert gpu.nvml_call(nv, "nvmlDeviceGetName", 0) == "NVIDIA H200"
+    assert gpu.nvml_call(nv, "nvmlDeviceGetNumaNodeId", 0) is None
+    assert gpu.nvml_call(nv, "nvmlNoSuchFunction") is None
+    with pytest.raises(ValueError):
+        gpu.nvml_call(nv, "nvmlDeviceGetPciInfo", 0)
+    for mod in (doctor, gpu_topology):
+        assert mod.nvml_call is gpu.nvml_call
+        assert "getattr(nvml, fn" not in inspect.getsource(mod)
+
+
 def test_atomic_write_and_publish(tmp_path):
     f = tmp_path / "a" / "report.json"
     files.atomic_write(f, "one")

@@ -177,3 +177,20 @@ def test_option_schemas_cover_every_target_algo_and_hold_the_quantizers_defaults
                                   "weight_type": "int8", "reduce_range": True, "per_channel": True,
                                   "weight_symmetric": True}
     assert ortq.INT8 == OrtInt8Options()
+
+
+def test_source_commit_is_the_checkout_holding_pipeline(tmp_path, monkeypatch):
+    """host/paths.py sits two folders below the checkout: the commit is the checkout's, whatever the cwd."""
+    import subprocess
+
+    import pytest
+
+    from pipeline.host import paths
+    root = Path(paths.__file__).resolve().parents[2]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert (root / "pipeline" / "host" / "paths.py").is_file()
+    monkeypatch.chdir(tmp_path)
+    commit, dirty = paths.source_commit()
+    assert commit == head.stdout.strip() and dirty in (True, False)

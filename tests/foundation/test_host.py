@@ -194,3 +194,24 @@ def test_source_commit_is_the_checkout_holding_pipeline(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     commit, dirty = paths.source_commit()
     assert commit == head.stdout.strip() and dirty in (True, False)
+
+
+def test_host_is_the_ground_floor():
+    """pipeline/host/ imports only itself and the ground floor's hardware value (lazily): never stages, targets,
+    recipes or the CLI, so anything in forge may import it without a loop."""
+    import ast
+    host = Path(files.__file__).resolve().parent
+    allowed_outside = {"pipeline.hardware"}
+    for p in sorted(host.glob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                target = "pipeline.host" if node.level == 1 else "pipeline"
+                target += f".{node.module}" if node.module else ""
+            elif isinstance(node, ast.ImportFrom):
+                target = node.module or ""
+            elif isinstance(node, ast.Import):
+                target = node.names[0].name
+            else:
+                continue
+            if target.startswith("pipeline") and not target.startswith("pipeline.host"):
+                assert target in allowed_outside, f"{p.name} imports {target}"

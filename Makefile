@@ -60,7 +60,7 @@ bench: setup
 	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out
 	@# on a machine whose onnxruntime has a usable CUDA provider (onnxruntime-gpu), the GPU bench too
-	@if $(BIN)/python -c "from pipeline.env import ort_cuda_status as s; raise SystemExit(bool(s()['problem']))" 2>/dev/null; \
+	@if $(BIN)/python -c "from pipeline.host.cuda import ort_cuda_status as s; raise SystemExit(bool(s()['problem']))" 2>/dev/null; \
 	  then $(MAKE) bench-gpu; else echo "bench-gpu skipped: no usable CUDA provider (forge doctor says why)"; fi
 
 # serving under load: `forge serve` driven by tritonclient over HTTP and gRPC at concurrency 1/4/16 (bench/serve.py;

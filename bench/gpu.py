@@ -202,7 +202,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    from pipeline.env import cuda_device
+    from pipeline.host.gpu import cuda_device
     engines = dict(e.split("=", 1) for e in a.engine)
     tok = next(iter(engines.values()), None)
     specs = []

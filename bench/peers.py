@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.env import tool_version as _version
+from pipeline.host.tools import tool_version as _version
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # `make bench-peers` installs only wheels; llama-cpp-python publishes an sdist only on PyPI (checked for CPython 3.11

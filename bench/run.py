@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from bench.measure import measure_adapter, ratio
-from pipeline.env import process_peak_rss_bytes
+from pipeline.host.rss import process_peak_rss_bytes
 from pipeline.history.bench import flat
 
 HERE = Path(__file__).parent
@@ -30,7 +30,8 @@ METRICS = [("prefill_b1", "prefill tok/s (1x256)"), ("prefill_b4", "prefill tok/
 
 # ----------------------------------------------------------------------------- facts
 def machine_facts(threads: int) -> dict:
-    from pipeline.env import cpu_facts, tool_version
+    from pipeline.host.cpu import cpu_facts
+    from pipeline.host.tools import tool_version
 
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -33,14 +31,6 @@ sys.path.insert(0, str(REPO / "tests" / "scaleout"))
 from servers import link_home, ray_cluster, seaweedfs  # noqa: E402
 
 RECIPES = ["smollm2-135m-fp32", "smollm2-135m-int8", "smollm2-135m-int4"]
-
-
-def _isa() -> str:
-    try:
-        flags = set(re.findall(r"\b(avx512_vnni|avx_vnni|amx_int8|avx512f|avx2)\b", Path("/proc/cpuinfo").read_text()))
-    except OSError:
-        flags = set()
-    return "+".join(sorted(flags)) or platform.machine()
 
 
 def _ci_overrides() -> list[str]:
@@ -85,7 +75,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "scaleout.json")
     a = ap.parse_args()
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    from pipeline.env import forge_home
+    from pipeline.host.cpu import cpu_facts
+    from pipeline.host.paths import forge_home
     overrides = [] if a.full else _ci_overrides()
     home = forge_home()
     runs = []
@@ -97,7 +88,8 @@ def main() -> None:
                 work.mkdir()
                 runs.append(build(nodes, s3, a.recipes, overrides, home, work, a.out.parent))
                 print(json.dumps({k: v for k, v in runs[-1].items() if k != "stages"}), flush=True)
-    result = {"machine": {"cpus": os.cpu_count(), "cpu": platform.processor() or platform.machine(), "isa": _isa(),
+    cpu = cpu_facts()       # the CPU and ISA class as every cache key and report names them
+    result = {"machine": {"cpus": os.cpu_count(), "cpu": cpu["cpu_model"], "isa": cpu["isa_class"],
                           "loadavg_at_end": os.getloadavg()},
               "recipes": a.recipes, "overrides": overrides, "runs": runs,
               "speedup_2_vs_1": round(runs[0]["wall_s"] / runs[1]["wall_s"], 2)}

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 SITE=${FORGE_SITE:-/tmp/fsite/site-packages}
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
-# no LD_LIBRARY_PATH: forge loads the NVIDIA wheels' CUDA libraries itself (pipeline.env.preload_cuda, issue 26)
+# no LD_LIBRARY_PATH: forge loads the NVIDIA wheels' CUDA libraries itself (pipeline.host.cuda.preload_cuda, issue 26)
 export FORGE_HOME=${FORGE_HOME:-/tmp/fh} FORGE_CACHE=${FORGE_CACHE:-/tmp/fh/artifacts} FORGE_PROGRESS=0
 export OUT=${OUT:-$PWD/out-gpu}
 if [ "${1:-}" = "--exec" ]; then shift; exec "$@"; fi

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def rss_peak_gb() -> float:
-    from pipeline.env import process_peak_rss_bytes
+    from pipeline.host.rss import process_peak_rss_bytes
     return process_peak_rss_bytes() / 2**30
 
 

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from pipeline import data
-    from pipeline.env import cpu_facts, forge_home
+    from pipeline.host.cpu import cpu_facts
+    from pipeline.host.paths import forge_home
     from pipeline.eval.metrics import LogitsComparer
     from pipeline.ort.engine import OrtEngine
     from pipeline.recipe import resolve

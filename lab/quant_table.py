@@ -55,7 +55,7 @@ def _q(row: dict) -> dict:
 
 def _windows(tok, spec: dict):
     from pipeline import data
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     text = data.load_text(spec["set"], spec["split"], forge_home())
     return data.token_windows(tok, text, spec["samples"], spec["seq_len"], spec["seed"])
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
         _write(out, render(json.loads(out.with_suffix(".json").read_text())))
         return
     if a.model is None:
-        from pipeline.env import forge_home
+        from pipeline.host.paths import forge_home
         from pipeline.source import DEFAULT_SOURCE, resolve_source
         a.model = resolve_source(DEFAULT_SOURCE, forge_home()).path
     run(Path(a.model), out, a.only, a.force, a.device)

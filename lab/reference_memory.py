@@ -122,7 +122,7 @@ def child(args) -> dict:
     batches = [ids[i:i + args.batch] for i in range(0, ids.shape[0], args.batch)]
     if args.device == "cuda":
         torch.zeros(1, device="cuda")                    # CUDA context before the baseline
-    from pipeline.env import PeakRss, process_peak_rss_bytes
+    from pipeline.host.rss import PeakRss, process_peak_rss_bytes
     nll = n = 0.0
     top1 = []
     t0 = time.perf_counter()

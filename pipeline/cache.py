@@ -34,7 +34,8 @@ from typing import Iterator
 
 from filelock import FileLock, Timeout
 
-from .env import atomic_write, cache_root, publish_dir, remote_cache_url
+from .host.files import atomic_write, publish_dir
+from .host.paths import cache_root, remote_cache_url
 from .errors import ForgeError
 from .hashing import empty_dirs, sha256_json, tree_digest
 from .status import Status

@@ -48,7 +48,7 @@ def _resolve(name: str, overrides: list[str] | None):
 def _open_cache(offline: bool):
     """The cache FORGE_CACHE names (a shared store is probed now: RemoteError naming the URL and the fix)."""
     from .cache import open_cache
-    from .env import cache_root, remote_cache_url
+    from .host.paths import cache_root, remote_cache_url
     url = remote_cache_url()
     if offline and url:
         err.print(f"[yellow]warning: --cache-offline: only the local cache {escape(str(cache_root()))} is used; nothing "
@@ -176,7 +176,7 @@ def _print_memory_brief(runner) -> None:
 
 
 def _link(dest: Path, target: str | None) -> None:
-    from .env import atomic_symlink
+    from .host.files import atomic_symlink
     if target and Path(target).is_dir():    # --executor ray: the entry may lie only in the shared store
         atomic_symlink(dest, target)
     elif dest.is_symlink():                 # not on this machine: no link, rather than last run's
@@ -372,7 +372,7 @@ def history_cmd(args: Optional[List[str]] = typer.Argument(
                 as_json: bool = typer.Option(False, "--json", help="nights as JSON"),
                 history_db: Optional[Path] = HistoryOpt):
     """Nightly history: a table per recipe over time, what changed between nights, a trend page, CI summaries."""
-    from .env import history_db as default_db
+    from .host.paths import history_db as default_db
     from .history import History, HistoryUnavailable
     path = history_db or default_db()
     if not path.exists() and not (args or html or summary_md or as_json):
@@ -563,7 +563,7 @@ def cache_gc(keep_recipes: Optional[List[str]] = typer.Option(None, "--keep", he
 def data_fetch(sets: Optional[List[str]] = typer.Argument(None), force: bool = typer.Option(False, "--force")):
     """Fetch and verify data sets (all by default) from their registries."""
     from . import data as datasets
-    from .env import forge_home
+    from .host.paths import forge_home
     known = list(datasets.available_sets())
     unknown = [s for s in sets or [] if s not in known]
     if unknown:

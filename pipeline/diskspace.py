@@ -6,7 +6,7 @@ import errno
 import os
 from pathlib import Path
 
-from .env import free_bytes
+from .host.files import free_bytes
 from .errors import ForgeError
 
 GB = 1e9

@@ -24,7 +24,9 @@ from typing import Any, Callable
 
 from . import gpu_topology as topo
 
-from .env import TOOLS, cpu_model, nvml_sm, tool_version
+from .host.cpu import cpu_model
+from .host.gpu import nvml_call, nvml_sm
+from .host.tools import TOOLS, tool_version
 
 SEVERITIES = ("error", "warning", "info")
 
@@ -44,7 +46,7 @@ THROTTLE_BITS = {
     0x100: "display_clock_setting",
 }
 
-# tools to report (pipeline.env.TOOLS labels: the first installed distribution of each wins)
+# tools to report (pipeline.host.tools.TOOLS labels: the first installed distribution of each wins)
 REPORTED = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "onnxruntime_genai", "tensorrt", "tensorrt_llm",
             "tritonclient", "pytriton", "nvidia_ml_py", "llama_cpp_python")
 REQUIRED = {
@@ -125,7 +127,7 @@ def _compact(cpus: list[int]) -> str:
 
 
 def collect_host() -> dict[str, Any]:
-    from .env import cpu_isa
+    from .host.cpu import cpu_isa
     nodes = {}
     base = Path("/sys/devices/system/node")
     for d in sorted(base.glob("node[0-9]*")) if base.exists() else []:
@@ -166,21 +168,8 @@ def _nvml_default():
     return pynvml
 
 
-def _call(nvml, fn: str, *args):
-    """Call nvml.<fn>(*args); None when the function is missing or NVML says not supported / no permission."""
-    f = getattr(nvml, fn, None)
-    if f is None:
-        return None
-    err = getattr(nvml, "NVMLError", Exception)
-    try:
-        r = f(*args)
-    except err:
-        return None
-    return r.decode() if isinstance(r, bytes) else r
-
-
 def _affinity_cpus(nvml, h, ncpu: int) -> list[int] | None:
-    words = _call(nvml, "nvmlDeviceGetCpuAffinity", h, max(1, (ncpu + 63) // 64))
+    words = nvml_call(nvml, "nvmlDeviceGetCpuAffinity", h, max(1, (ncpu + 63) // 64))
     if words is None:
         return None
     cpus = []
@@ -197,8 +186,8 @@ def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
     ``topology`` dict given, fills it with :func:`pipeline.gpu_topology.collect_topology`'s result."""
     nvml.nvmlInit()
     try:
-        drv = {"driver": _call(nvml, "nvmlSystemGetDriverVersion")}
-        cuda = _call(nvml, "nvmlSystemGetCudaDriverVersion_v2") or _call(nvml, "nvmlSystemGetCudaDriverVersion")
+        drv = {"driver": nvml_call(nvml, "nvmlSystemGetDriverVersion")}
+        cuda = nvml_call(nvml, "nvmlSystemGetCudaDriverVersion_v2") or nvml_call(nvml, "nvmlSystemGetCudaDriverVersion")
         drv["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
         gpus, handles = [], []
         ncpu = os.cpu_count() or 1
@@ -206,35 +195,35 @@ def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
             h = nvml.nvmlDeviceGetHandleByIndex(i)
             handles.append(h)
             sm = nvml_sm(nvml, h)
-            mem = _call(nvml, "nvmlDeviceGetMemoryInfo", h)
-            reasons = _call(nvml, "nvmlDeviceGetCurrentClocksEventReasons", h)
+            mem = nvml_call(nvml, "nvmlDeviceGetMemoryInfo", h)
+            reasons = nvml_call(nvml, "nvmlDeviceGetCurrentClocksEventReasons", h)
             if reasons is None:
-                reasons = _call(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
-            util = _call(nvml, "nvmlDeviceGetUtilizationRates", h)
-            pm = _call(nvml, "nvmlDeviceGetPersistenceMode", h)
+                reasons = nvml_call(nvml, "nvmlDeviceGetCurrentClocksThrottleReasons", h)
+            util = nvml_call(nvml, "nvmlDeviceGetUtilizationRates", h)
+            pm = nvml_call(nvml, "nvmlDeviceGetPersistenceMode", h)
             numa = topo.numa_node_of(nvml, h)
             aff = _affinity_cpus(nvml, h, ncpu)
             g = {
                 "index": i,
-                "name": _call(nvml, "nvmlDeviceGetName", h),
+                "name": nvml_call(nvml, "nvmlDeviceGetName", h),
                 "sm": f"{sm // 10}.{sm % 10}" if sm is not None else None,
                 "memory_total_bytes": getattr(mem, "total", None),
                 "memory_used_bytes": getattr(mem, "used", None),
                 "pcie": {
-                    "gen_current": _call(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h),
-                    "gen_max": _call(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h),
-                    "gen_gpu_max": _call(nvml, "nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
-                    "width_current": _call(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h),
-                    "width_max": _call(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h),
+                    "gen_current": nvml_call(nvml, "nvmlDeviceGetCurrPcieLinkGeneration", h),
+                    "gen_max": nvml_call(nvml, "nvmlDeviceGetMaxPcieLinkGeneration", h),
+                    "gen_gpu_max": nvml_call(nvml, "nvmlDeviceGetGpuMaxPcieLinkGeneration", h),
+                    "width_current": nvml_call(nvml, "nvmlDeviceGetCurrPcieLinkWidth", h),
+                    "width_max": nvml_call(nvml, "nvmlDeviceGetMaxPcieLinkWidth", h),
                 },
-                "temperature_c": _call(nvml, "nvmlDeviceGetTemperature", h, NVML_TEMPERATURE_GPU),
-                "temperature_slowdown_c": _call(nvml, "nvmlDeviceGetTemperatureThreshold", h,
+                "temperature_c": nvml_call(nvml, "nvmlDeviceGetTemperature", h, NVML_TEMPERATURE_GPU),
+                "temperature_slowdown_c": nvml_call(nvml, "nvmlDeviceGetTemperatureThreshold", h,
                                                 NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
-                "sm_clock_mhz": _call(nvml, "nvmlDeviceGetClockInfo", h, NVML_CLOCK_SM),
-                "sm_clock_max_mhz": _call(nvml, "nvmlDeviceGetMaxClockInfo", h, NVML_CLOCK_SM),
+                "sm_clock_mhz": nvml_call(nvml, "nvmlDeviceGetClockInfo", h, NVML_CLOCK_SM),
+                "sm_clock_max_mhz": nvml_call(nvml, "nvmlDeviceGetMaxClockInfo", h, NVML_CLOCK_SM),
                 "throttle_reasons": None if reasons is None else
                 [n for bit, n in THROTTLE_BITS.items() if int(reasons) & bit],
-                "pstate": _call(nvml, "nvmlDeviceGetPerformanceState", h),
+                "pstate": nvml_call(nvml, "nvmlDeviceGetPerformanceState", h),
                 "utilization_pct": getattr(util, "gpu", None),
                 "numa_node": numa,
                 "cpu_affinity": _compact(aff) if aff else None,
@@ -249,7 +238,7 @@ def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
             topology.update(topo.collect_topology(nvml, handles))
         return drv, gpus
     finally:
-        _call(nvml, "nvmlShutdown")
+        nvml_call(nvml, "nvmlShutdown")
 
 
 def _idle(g: dict) -> bool:
@@ -356,7 +345,7 @@ def _recipe_quantizations() -> dict[str, dict]:
 
 
 def isa_findings(host: dict, quantizations: dict[str, dict]) -> list[dict]:
-    """The CPU's ISA class (pipeline/env.py) against the INT8 methods of recipes / built engines
+    """The CPU's ISA class (pipeline/host/cpu.py) against the INT8 methods of recipes / built engines
     (``quantizations``: label -> quantize section or engine quantization metadata)."""
     from .ort.quantize import isa_accuracy_risk
 
@@ -531,7 +520,7 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
                                      f"pip install {TOOLS[label][0]} (`make setup` installs everything forge "
                                      f"needs)"))
     if ort_cuda is None:
-        from .env import ort_cuda_status
+        from .host.cuda import ort_cuda_status
         ort_cuda = ort_cuda_status()
     findings.extend(ort_cuda_findings(ort_cuda, bool(gpus)))
     order = {s: i for i, s in enumerate(SEVERITIES)}
@@ -606,7 +595,7 @@ def render_doctor(report: dict, console) -> None:
                   + (f", usable (session providers {oc.get('session_providers')})" if oc.get("cuda_provider")
                      and not oc.get("problem") else "") + (f"; CUDA libraries: {libs}" if libs else ""))
     dirs = sorted({str(Path(v).parent) for v in ((oc.get("preloaded") or {}).get("loaded") or {}).values() if v})
-    if dirs:        # forge loads NVIDIA's wheel libraries itself (pipeline.env.preload_cuda): no LD_LIBRARY_PATH
+    if dirs:        # forge loads NVIDIA's wheel libraries itself (pipeline.host.cuda.preload_cuda): no LD_LIBRARY_PATH
         console.print(f"CUDA libraries loaded by forge from: {', '.join(dirs)}")
     colors = {"error": "red", "warning": "yellow", "info": "cyan"}
     if not report["findings"]:

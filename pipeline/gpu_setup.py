@@ -1,5 +1,5 @@
 """GPU setup for the CUDA recipes (issue 26): on a machine with an NVIDIA GPU, onnxruntime-gpu *instead of* the CPU
-wheel, with the CUDA/cuDNN runtime libraries as wheels (loaded by forge itself: ``pipeline.env.preload_cuda``).
+wheel, with the CUDA/cuDNN runtime libraries as wheels (loaded by forge itself: ``pipeline.host.cuda.preload_cuda``).
 
     python -m pipeline.gpu_setup plan     what would be done here, as JSON (changes nothing)
     python -m pipeline.gpu_setup install  do it (``make setup`` runs this; without a GPU it changes nothing)
@@ -151,7 +151,7 @@ def plan(gpu: dict, reqs: list[str], *, python: str = sys.executable, pip_args: 
     return out
 
 
-VERIFY = ("import json; from pipeline.env import ort_cuda_status; s = ort_cuda_status(); "
+VERIFY = ("import json; from pipeline.host.cuda import ort_cuda_status; s = ort_cuda_status(); "
           "print(json.dumps({k: s.get(k) for k in ('onnxruntime', 'providers', 'preloaded', 'problem')}))")
 
 

@@ -22,6 +22,8 @@ import shutil
 import subprocess
 from typing import Any
 
+from .host.gpu import nvml_call
+
 # nvml.h constants (stable), used directly: pynvml defines NVML_P2P_CAPS_INDEX_READ as a tuple by mistake.
 NVML_P2P_CAPS_INDEX_READ = 0
 NVML_P2P_CAPS_INDEX_NVLINK = 2
@@ -41,18 +43,6 @@ LINK_MEANING = {"PIX": "PCIe through at most one PCIe bridge", "PXB": "PCIe thro
                 "SYS": "PCIe plus the CPU-to-CPU interconnect between NUMA nodes (QPI/UPI/Infinity Fabric)"}
 
 
-def _call(nvml, fn: str, *args):
-    """nvml.<fn>(*args); None when the function is missing or NVML says not supported."""
-    f = getattr(nvml, fn, None)
-    if f is None:
-        return None
-    try:
-        r = f(*args)
-    except getattr(nvml, "NVMLError", Exception):
-        return None
-    return r.decode() if isinstance(r, bytes) else r
-
-
 def _bus_id(info) -> str | None:
     b = getattr(info, "busId", None) if info is not None else None
     if isinstance(b, bytes):
@@ -68,10 +58,10 @@ def numa_node_of(nvml, h) -> int | None:
     """The NUMA node the GPU is attached to: NVML's ideal memory affinity at node scope when it names one node;
     else ``nvmlDeviceGetNumaNodeId``, which reports a node only where the GPU's memory is itself a NUMA node
     (coherent platforms; on an x86 host it is not supported, as on the H200 capture in tests/doctor/data)."""
-    nodes = _mask_bits(_call(nvml, "nvmlDeviceGetMemoryAffinity", h, 1, NVML_AFFINITY_SCOPE_NODE))
+    nodes = _mask_bits(nvml_call(nvml, "nvmlDeviceGetMemoryAffinity", h, 1, NVML_AFFINITY_SCOPE_NODE))
     if len(nodes) == 1:
         return nodes[0]
-    n = _call(nvml, "nvmlDeviceGetNumaNodeId", h)
+    n = nvml_call(nvml, "nvmlDeviceGetNumaNodeId", h)
     return n if isinstance(n, int) and n >= 0 else None
 
 
@@ -79,12 +69,12 @@ def _nvlinks(nvml, h) -> list[dict]:
     """Active NVLinks of one GPU: link index, version, remote PCI bus id and remote device type."""
     out = []
     for link in range(NVLINK_MAX_LINKS):
-        if _call(nvml, "nvmlDeviceGetNvLinkState", h, link) != NVML_FEATURE_ENABLED:
+        if nvml_call(nvml, "nvmlDeviceGetNvLinkState", h, link) != NVML_FEATURE_ENABLED:
             continue
-        remote = (_call(nvml, "nvmlDeviceGetNvLinkRemotePciInfo_v2", h, link)
-                  or _call(nvml, "nvmlDeviceGetNvLinkRemotePciInfo", h, link))
-        kind = _call(nvml, "nvmlDeviceGetNvLinkRemoteDeviceType", h, link)
-        out.append({"link": link, "version": _call(nvml, "nvmlDeviceGetNvLinkVersion", h, link),
+        remote = (nvml_call(nvml, "nvmlDeviceGetNvLinkRemotePciInfo_v2", h, link)
+                  or nvml_call(nvml, "nvmlDeviceGetNvLinkRemotePciInfo", h, link))
+        kind = nvml_call(nvml, "nvmlDeviceGetNvLinkRemoteDeviceType", h, link)
+        out.append({"link": link, "version": nvml_call(nvml, "nvmlDeviceGetNvLinkVersion", h, link),
                     "remote_bus_id": _bus_id(remote), "remote_type": NVLINK_DEVICE_TYPE.get(kind)})
     return out
 
@@ -92,7 +82,7 @@ def _nvlinks(nvml, h) -> list[dict]:
 def collect_topology(nvml, handles: list) -> dict[str, Any]:
     """Per GPU its PCI bus id and NVLinks; per pair the link NVML reports. NVML must be initialised."""
     n = len(handles)
-    bus = [_bus_id(_call(nvml, "nvmlDeviceGetPciInfo", h)) for h in handles]
+    bus = [_bus_id(nvml_call(nvml, "nvmlDeviceGetPciInfo", h)) for h in handles]
     index_of = {b: i for i, b in enumerate(bus) if b}
     links = [_nvlinks(nvml, h) for h in handles]
     gpus = []
@@ -108,9 +98,9 @@ def collect_topology(nvml, handles: list) -> dict[str, Any]:
                          for lk in ls if lk["remote_bus_id"] in index_of}})
     pairs = []
     for i, j in itertools.combinations(range(n), 2):
-        level = _call(nvml, "nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j])
-        p2p_nv = _call(nvml, "nvmlDeviceGetP2PStatus", handles[i], handles[j], NVML_P2P_CAPS_INDEX_NVLINK)
-        p2p_rd = _call(nvml, "nvmlDeviceGetP2PStatus", handles[i], handles[j], NVML_P2P_CAPS_INDEX_READ)
+        level = nvml_call(nvml, "nvmlDeviceGetTopologyCommonAncestor", handles[i], handles[j])
+        p2p_nv = nvml_call(nvml, "nvmlDeviceGetP2PStatus", handles[i], handles[j], NVML_P2P_CAPS_INDEX_NVLINK)
+        p2p_rd = nvml_call(nvml, "nvmlDeviceGetP2PStatus", handles[i], handles[j], NVML_P2P_CAPS_INDEX_READ)
         direct = gpus[i]["nvlink_peers"].get(str(j), 0)
         switched = min(gpus[i]["nvswitch_links"], gpus[j]["nvswitch_links"])
         pair = {"gpus": [i, j], "pcie_path": TOPOLOGY_LEVEL.get(level) if level is not None else None,

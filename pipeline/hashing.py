@@ -29,7 +29,7 @@ def sha256_bytes(data: bytes) -> str:
 
 
 def _stat_db() -> sqlite3.Connection | None:
-    from .env import forge_home
+    from .host.paths import forge_home
     home = forge_home()
     try:
         home.mkdir(parents=True, exist_ok=True)

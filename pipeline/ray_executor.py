@@ -357,7 +357,8 @@ def node_resources() -> dict[str, float]:
     """The custom resources this machine's Ray node should advertise so that stages bound to its hardware are
     scheduled on it: its CPU's ISA class (``isa:x86_64-avx2``: 1, a marker ISA-keyed stages take a sliver of) and
     one ``sm_<N>`` per GPU of that compute capability."""
-    from .env import cpu_isa_class, gpus
+    from .host.cpu import cpu_isa_class
+    from .host.gpu import gpus
     out: dict[str, float] = {isa_resource(cpu_isa_class()): 1}
     for g in gpus():
         out[sm_resource(g["sm"])] = out.get(sm_resource(g["sm"]), 0) + 1

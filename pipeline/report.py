@@ -16,14 +16,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from .console import make_console
-from .env import atomic_write, cpu_facts, cpu_model
+from .host.cpu import cpu_facts, cpu_model
+from .host.files import atomic_write
 from .hashing import sha256_json
 from .recipe import Recipe
 from .runner import StageResult
 from .status import Status, overall
 
 def machine() -> dict:
-    """Where a report was made (the CPU as pipeline/env.py names it, like manifests and forge doctor)."""
+    """Where a report was made (the CPU as pipeline/host/cpu.py names it, like manifests and forge doctor)."""
     return {"platform": platform.platform(), "python": platform.python_version(), "processor": cpu_model(),
             "arch": platform.machine(), **cpu_facts()}
 

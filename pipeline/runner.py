@@ -9,7 +9,8 @@ from pathlib import Path
 
 from .cache import ArtifactCache, diff_components, make_key, open_cache
 from .diskspace import check_free_space, disk_full, no_space_message
-from .env import PeakRss, forge_home
+from .host.paths import forge_home
+from .host.rss import PeakRss
 from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageError
 from .modelinfo import ModelInfo
 from .recipe import Recipe

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .env import publish_dir
+from .host.files import publish_dir
 from .errors import ForgeError
 from .hashing import file_digest, sha256_json, tree_digest
 
@@ -179,7 +179,7 @@ def builtin_gguf(name: str, home: Path | None = None) -> tuple[Builtin, Path]:
             mod.verify_chunks()
         except (FileNotFoundError, ImportError) as e:
             raise ForgeError(f"model.source 'builtin:{name}': {e}; {hint}") from None
-        from .env import forge_home
+        from .host.paths import forge_home
         target = Path(home or forge_home()) / "gguf" / b.name / b.gguf_file
         if not target.is_file():
             target.parent.mkdir(parents=True, exist_ok=True)

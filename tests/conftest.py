@@ -28,7 +28,7 @@ def pytest_configure(config):
     collection because some test modules read it at import."""
     if os.environ.get("FORGE_TEST_MODEL") or "not integration" in (config.option.markexpr or ""):
         return
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     from pipeline.source import DEFAULT_SOURCE, resolve_source
     os.environ["FORGE_TEST_MODEL"] = str(resolve_source(DEFAULT_SOURCE, forge_home()).path)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from ..env import forge_home
+from ..host.paths import forge_home
 from ..errors import ForgeError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,8 @@ from typing import Callable
 
 from filelock import FileLock
 
-from ..env import atomic_write, forge_home
+from ..host.files import atomic_write
+from ..host.paths import forge_home
 from ..errors import ForgeError
 from ..hashing import file_digest, sha256_bytes
 from . import austen, npm_text, sotu, wiki

@@ -20,7 +20,7 @@ __all__ = ["History", "HistoryUnavailable", "Nightly", "Run"]
 
 class Nightly:
     def __init__(self, path: Path | None = None, warn: Callable[[str], None] = print):
-        from ..env import history_db
+        from ..host.paths import history_db
         self.path = Path(path) if path else history_db()
         self.warn = warn
         self.unavailable = ""

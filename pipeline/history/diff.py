@@ -105,7 +105,7 @@ def component_changes(a: Run, b: Run) -> list[Change]:
 
 def machine_changes(a: Run, b: Run, skip_dists: set[str] = frozenset()) -> list[Change]:
     """Machine facts and tool versions; a tool already reported through a stage key is not repeated."""
-    from ..env import TOOLS   # version label -> its distribution names
+    from ..host.tools import TOOLS   # version label -> its distribution names
     out = []
     for k in ("cpu_model", "cpu_isa", "gpus", "gpu_driver", "cuda_driver"):
         if a.machine.get(k) != b.machine.get(k):

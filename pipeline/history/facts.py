@@ -1,6 +1,6 @@
 """What a night records about where it ran, and how a finished build becomes a history ``Run``.
 
-Machine facts come from ``pipeline/env.py`` (CPU model, flags, ISA class, forge's git commit) and
+Machine facts come from ``pipeline/host/`` (CPU model, flags, ISA class, forge's git commit) and
 ``pipeline/doctor.py`` (tool versions, GPUs via NVML). ``machine_class`` is what a baseline must share
 with tonight: numbers from another CPU ISA class or another GPU are not comparable.
 """
@@ -12,13 +12,13 @@ import platform
 import time
 from datetime import datetime, timedelta, timezone
 
-from .. import env
+from ..host import cpu, paths, tools
 from .store import Run, flatten_metrics
 
 
 def cpu_isa() -> str:
-    """The CPU's ISA class, as every cache key and report names it (``env.cpu_isa_class``, its one home)."""
-    return env.cpu_isa_class()
+    """The CPU's ISA class, as every cache key and report names it (``host.cpu.cpu_isa_class``, its one home)."""
+    return cpu.cpu_isa_class()
 
 
 def gpus() -> tuple[dict, list[dict]]:
@@ -35,12 +35,12 @@ def gpus() -> tuple[dict, list[dict]]:
 
 
 def tool_versions() -> dict[str, str | None]:
-    return {"python": platform.python_version(), **env.tool_versions(env.TOOLS)}
+    return {"python": platform.python_version(), **tools.tool_versions(tools.TOOLS)}
 
 
 def machine_facts() -> dict:
     drv, gpu_list = gpus()
-    return {"cpu_model": env.cpu_model(), "cpu_isa": cpu_isa(), "arch": platform.machine(),
+    return {"cpu_model": cpu.cpu_model(), "cpu_isa": cpu_isa(), "arch": platform.machine(),
             "logical_cpus": os.cpu_count(), "os": platform.platform(), "gpus": gpu_list,
             "gpu_driver": drv.get("driver"), "cuda_driver": drv.get("cuda_driver"), "tools": tool_versions()}
 
@@ -67,7 +67,7 @@ def night_from_report(report: dict, recipe_dict: dict, facts: dict, report_path:
         started = (parse_utc(finished) - timedelta(seconds=float(wall or 0))).strftime("%Y-%m-%dT%H:%M:%SZ")
     except (ValueError, TypeError):
         started = finished
-    commit, dirty = env.source_commit()
+    commit, dirty = paths.source_commit()
     stages, metrics, gates = [], {}, []
     for st in report["stages"]:
         stages.append({k: st.get(k) for k in ("name", "status", "key", "duration_s", "peak_rss_mb", "message",

@@ -12,6 +12,7 @@ import math
 import os
 from pathlib import Path
 
+from ..host.files import atomic_write
 from .diff import brief, changes
 from .facts import utc_now
 from .regression import catalog
@@ -239,8 +240,4 @@ def render_page(runs_by_recipe: dict[str, list[Run]], page: Path, db_path: str =
 
 def write_page(runs_by_recipe: dict[str, list[Run]], page: Path, db_path: str = "") -> Path:
     page = Path(page)
-    page.parent.mkdir(parents=True, exist_ok=True)
-    tmp = page.with_name(page.name + ".tmp")
-    tmp.write_text(render_page(runs_by_recipe, page, db_path), encoding="utf-8")
-    os.replace(tmp, page)
-    return page
+    return atomic_write(page, render_page(runs_by_recipe, page, db_path))

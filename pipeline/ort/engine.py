@@ -58,7 +58,7 @@ LAYOUTS = ("shared", "concat")
 def inference_session(model: str | bytes, options: ort.SessionOptions | None,
                       providers: Sequence) -> ort.InferenceSession:
     """``ort.InferenceSession``; on CUDA, the NVIDIA wheels' CUDA/cuDNN libraries are loaded first
-    (:func:`pipeline.env.preload_cuda`), so no LD_LIBRARY_PATH is needed.
+    (:func:`pipeline.host.cuda.preload_cuda`), so no LD_LIBRARY_PATH is needed.
     No optimizer is disabled: ORT's SkipLayerNormFusion, which would make the fp16-overflowing
     SkipSimplifiedLayerNormalization, matches only ONNX ``LayerNormalization`` (never our
     SimplifiedLayerNormalization) -- onnxruntime/core/optimizer/skip_layer_norm_fusion.cc,
@@ -66,7 +66,7 @@ def inference_session(model: str | bytes, options: ort.SessionOptions | None,
     tests/ort/test_cuda.py checks it on both providers."""
     if any((p[0] if isinstance(p, tuple) else p) == "CUDAExecutionProvider" for p in providers):
         try:
-            from pipeline.env import preload_cuda
+            from pipeline.host.cuda import preload_cuda
         except ImportError:     # this file runs on its own inside Triton: ORT's own preload then
             preload = getattr(ort, "preload_dlls", None)
             if preload:

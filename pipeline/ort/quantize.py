@@ -537,14 +537,14 @@ def _dynamic_weights(opts: dict) -> str | None:
 
 def isa_accuracy_risk(quantization: dict, isa_class: str) -> str | None:
     """Why an engine quantized as ``quantization`` is known to lose accuracy on a CPU of ``isa_class``
-    (pipeline/env.py), or None when it is not known to.
+    (pipeline/host/cpu.py), or None when it is not known to.
 
     MLAS runs u8 activations x s8 weights on AVX2 and AVX-512 without VNNI with vpmaddubsw, which sums pairs of
     products in saturating 16-bit lanes: 2 x 255 x 127 overflows, so full-range int8 weights lose accuracy there
     (microsoft/onnxruntime onnxruntime/core/mlas/lib/platform.cpp: MlasGemmU8S8KernelAvx2 / ...Avx512Core; the
     session option ``session.x64quantprecision`` documents the same overflow). 7-bit weights (2 x 255 x 64) and u8
     weights (MLAS's u8 x u8 kernels widen to 16 bits before multiplying) are exact on every class."""
-    from pipeline.env import U8S8_SATURATING
+    from pipeline.host.cpu import U8S8_SATURATING
 
     if isa_class in U8S8_SATURATING and dynamic_int8_weights(quantization) == "int8":
         return (f"dynamic INT8 MatMuls with full-range s8 weights run on MLAS's u8 x s8 kernels, which on "

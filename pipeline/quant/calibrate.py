@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pipeline.env import process_peak_rss_bytes
+from pipeline.host.rss import process_peak_rss_bytes
 from pipeline.progress import progress_bar
 
 from .artifact import load_hf_model  # noqa: F401 (the loader lives with the artifact it restores)

@@ -6,7 +6,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..env import gpu_sm, has_module, tool_label, tool_version
+from ..host.gpu import gpu_sm
+from ..host.tools import has_module, tool_label, tool_version
 from ..hardware import Hardware
 from ..modelinfo import ModelInfo
 from ..recipe import Recipe
@@ -27,7 +28,7 @@ def cpu_hardware() -> Hardware:
 def cpu_isa_hardware() -> Hardware:
     """Hardware of a CPU stage whose output or measured numbers depend on the instruction set ONNX Runtime's
     kernels use here (``cpu:x86_64-avx2``, ``cpu:x86_64-amx``, ...): results never cross ISA classes."""
-    from ..env import cpu_isa_class
+    from ..host.cpu import cpu_isa_class
     return Hardware.cpu_isa(cpu_isa_class())
 
 
@@ -46,7 +47,7 @@ class Stage:
     name: str = ""
     version: str = "1"                  # bump when the implementation changes its output
     needs: tuple[str, ...] = ()         # upstream stages whose payloads this reads
-    tools: tuple[str, ...] = ()         # tools (pipeline.env.TOOLS labels) whose versions enter the key
+    tools: tuple[str, ...] = ()         # tools (pipeline.host.tools.TOOLS labels) whose versions enter the key
     hands_off: bool = False             # its payload leaves the cache (a package): inputs verified in full first
     section: str = ""                   # the recipe section that is its whole config, e.g. "build.onnxruntime"
 

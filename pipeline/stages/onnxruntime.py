@@ -21,7 +21,7 @@ def cuda_missing(r) -> str | None:
     """Why this machine cannot run a CUDA-provider stage (None when it can)."""
     if not on_cuda(r):
         return None
-    from ..env import ort_cuda_status
+    from ..host.cuda import ort_cuda_status
     return ort_cuda_status()["problem"]
 
 
@@ -34,7 +34,7 @@ def cuda_finish_hint(r, stage: str) -> str:
 def cuda_tools(comps: dict) -> dict:
     """The onnxruntime that runs a CUDA stage is onnxruntime-gpu (same module name as the CPU wheel, and both may be
     installed): the key records the version of the module actually imported and the GPU wheel's distribution."""
-    from ..env import tool_version
+    from ..host.tools import tool_version
     try:
         import onnxruntime as ort
         comps["tools"]["onnxruntime"] = ort.__version__
@@ -49,7 +49,7 @@ class CudaAware:
     CUDA provider (exit 3 with the command to finish elsewhere)."""
 
     def hardware(self, r):
-        from ..env import cuda_hardware
+        from ..host.gpu import cuda_hardware
         return cuda_hardware() if on_cuda(r) else super().hardware(r)
 
     def missing(self, r):
@@ -216,11 +216,11 @@ class OrtEvaluate(CudaAware, EvaluateBase):
     def hardware(self, r):
         if on_cuda(r):
             return super().hardware(r)
-        # ONNX Runtime's int8 kernels compute different numbers per ISA class (pipeline/env.py)
+        # ONNX Runtime's int8 kernels compute different numbers per ISA class (pipeline/host/cpu.py)
         return cpu_isa_hardware()
 
     def measured_on(self):
-        from ..env import cpu_facts
+        from ..host.cpu import cpu_facts
         return cpu_facts()
 
     def reference_device(self, r):
@@ -249,7 +249,7 @@ class OrtPackage(CudaAware, PackageStage):
         res = write_onnxruntime_repo(ctx.out, engine_dir=ctx.inputs["build"], tokenizer_dir=ctx.inputs["source"] / "tokenizer",
                                      recipe=ctx.recipe.package_dict(), metrics=evaluation)
         if on_cuda(ctx.recipe):
-            from ..env import cuda_hardware
+            from ..host.gpu import cuda_hardware
             b = ctx.recipe.build.onnxruntime
             return res, cuda_hardware(), {"provider": b.provider, "precision": b.precision, "cuda_graph": b.cuda_graph}
         return res, "cpu", {}

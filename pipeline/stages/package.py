@@ -7,7 +7,7 @@ import json
 import platform
 
 from .. import __version__
-from ..env import tool_versions
+from ..host.tools import tool_versions
 from ..triton.manifest import BUILD_TOOLS
 from .base import Stage, StageContext, payload_bytes
 from .common import calibration_digests, set_digests

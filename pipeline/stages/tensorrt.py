@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..errors import ForgeError
 from ..quant import needs_sm
-from ..env import gpu_sm
+from ..host.gpu import gpu_sm
 from .base import GpuStage, Stage, StageContext, cpu_hardware, payload_bytes
 from .common import calibration_digests, calibration_windows
 from .evaluate import EvaluateBase

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 
-from ..env import atomic_copy, gpu_sm
+from ..host.files import atomic_copy
+from ..host.gpu import gpu_sm
 from ..errors import StageFailed
 from .base import GpuStage, Stage, StageContext, payload_bytes
 from .common import calibration_windows, model_dir, set_digests, windows
@@ -152,8 +153,8 @@ class CheckpointEvaluate(EvaluateBase):
 
 def memory_problems(r, info, found=None) -> list[str]:
     """Refuses, at plan, a recipe whose evaluation engine does not fit this machine's GPU (the memory plan counts
-    the runtime's buffers: docs/trtllm-memory.md). ``found``: pipeline.env.gpus() (tests pass their own)."""
-    from ..env import gpus
+    the runtime's buffers: docs/trtllm-memory.md). ``found``: pipeline.host.gpu.gpus() (tests pass their own)."""
+    from ..host.gpu import gpus
     from ..gpus import match_nvml_name
     from ..memory import plan_for_recipe
     found = gpus() if found is None else found

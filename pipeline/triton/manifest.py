@@ -14,13 +14,15 @@ import json
 import platform
 from pathlib import Path
 
-from pipeline.env import cpu_facts, cpu_isa_class, gpus, tool_label, tool_versions
+from pipeline.host.cpu import cpu_facts, cpu_isa_class
+from pipeline.host.gpu import gpus
+from pipeline.host.tools import tool_label, tool_versions
 from pipeline.errors import ForgeError
 from pipeline.hashing import empty_dirs, file_digest, sha256_json, tree_files
 
 MANIFEST = "manifest.json"
 SCHEMA = 1
-# tools that make an engine (pipeline.env.TOOLS labels): a manifest records each, null when absent
+# tools that make an engine (pipeline.host.tools.TOOLS labels): a manifest records each, null when absent
 BUILD_TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm")
 # tools this machine reports for verify-deploy: the build tools and the serving side
 TOOLS = BUILD_TOOLS + ("tritonclient", "pytriton", "forge")
@@ -117,7 +119,7 @@ def write_manifest(repo_dir, info: dict) -> Path:
     env = current_env()
     target = info.get("target")
     if engine == "onnxruntime" and isinstance(target, str) and target.startswith("cuda:"):
-        # build.onnxruntime.provider: cuda -- "cuda:sm_90:NVIDIA H200" (pipeline.env.cuda_hardware)
+        # build.onnxruntime.provider: cuda -- "cuda:sm_90:NVIDIA H200" (pipeline.host.gpu.cuda_hardware)
         _, sm, name = (target.split(":", 2) + ["", ""])[:3]
         hardware = {"kind": "gpu", "provider": "cuda", "machine": env["machine"], "gpu": name,
                     "sm": int(sm[3:]) if sm[3:].isdigit() else None}
@@ -174,7 +176,7 @@ def deploy_warnings(repo_dir, env: dict | None = None) -> list[str]:
     """What deploying this repository here may change without making it unfit ([] = nothing known).
 
     A CPU engine validated on another ISA class runs here, but ONNX Runtime's int8 kernels may compute other
-    numbers (pipeline/env.py); the warning says whether the engine's quantization is known to lose accuracy here.
+    numbers (pipeline/host/cpu.py); the warning says whether the engine's quantization is known to lose accuracy here.
     """
     m = read_manifest(repo_dir)
     env = env or current_env()

@@ -25,7 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from pipeline.env import forge_home, publish_dir
+from pipeline.host.files import publish_dir
+from pipeline.host.paths import forge_home
 from pipeline.errors import ForgeError
 from pipeline.hashing import sha256_json
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..env import PeakRss
+from ..host.rss import PeakRss
 from ..errors import ForgeError
 from ..modelinfo import ModelInfo, sliding_window_pattern
 from ..progress import progress_bar

@@ -44,6 +44,7 @@ from typing import Any, Iterable
 import torch
 import torch.distributed as dist
 
+from ..host.rss import process_peak_rss_bytes
 from .reference import LABEL, ReferenceModel
 
 EXIT_OK, EXIT_ARGS = 0, 2      # forge's exit codes: 0 ok, 2 bad arguments / checkpoint
@@ -208,15 +209,10 @@ def launch(ckpt: str | Path, nproc: int, out: str | Path, *args: str, device: st
 
 
 # ---------------------------------------------------------------------------------------------- the entry point
-def _peak_rss_bytes() -> int:
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # Linux: KiB
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from ..env import cpu_model
+    from ..host.cpu import cpu_model
     return f"cpu ({cpu_model()})"
 
 
@@ -285,7 +281,7 @@ def run(args) -> dict | None:
     layers = [k for k in by_layer if k != "embedding"]
     mine = {"rank": rank, "stage": model.stage, "tp_rank": model.tp_rank, "pid": os.getpid(), "device": str(device),
             "device_name": _device_name(device), "wall_s": round(wall, 3),
-            "rank_file_bytes": model.files[rank].stat().st_size, "peak_rss_bytes": _peak_rss_bytes(),
+            "rank_file_bytes": model.files[rank].stat().st_size, "peak_rss_bytes": process_peak_rss_bytes(),
             "allreduce_calls": model.stats["allreduce_calls"], "allreduce_bytes": model.stats["allreduce_bytes"],
             "allreduce_s_by_layer": by_layer,
             "allreduce_s_per_layer_mean": (sum(by_layer[k] for k in layers) / len(layers)) if layers else None,

@@ -37,7 +37,7 @@ def test_env_variant_runs_fp16_with_cuda_graphs_under_the_given_environment(tmp_
         open(spec["result"], "w").write(json.dumps(_res(1, 1, 1, 1)))
 
     monkeypatch.setattr(gpu.subprocess, "run", fake_run)
-    monkeypatch.setattr("pipeline.env.cuda_device", lambda: None)
+    monkeypatch.setattr("pipeline.host.gpu.cuda_device", lambda: None)
     gpu.main(["--engine", f"fp16={tmp_path}", "--out", str(tmp_path / "out"), "--no-peers",
               "--env-variant", "cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0,ORT_X=1"])
     names = [s["name"] for s, _ in runs]

@@ -157,7 +157,7 @@ def test_available_sets_and_prompts(tmp_path, monkeypatch):
 
 def test_forge_home(monkeypatch, tmp_path):
     from pipeline.cache import ArtifactCache
-    from pipeline.env import cache_root, forge_home
+    from pipeline.host.paths import cache_root, forge_home
     monkeypatch.delenv("FORGE_CACHE", raising=False)
     monkeypatch.setenv("FORGE_HOME", str(tmp_path))
     assert forge_home() == tmp_path and cache_root() == tmp_path / "artifacts"

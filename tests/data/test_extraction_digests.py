@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 from pipeline.data import load_manifest, store
-from pipeline.env import forge_home
+from pipeline.host.paths import forge_home
 from pipeline.hashing import file_digest
 
 

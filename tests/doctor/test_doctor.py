@@ -73,8 +73,8 @@ class Util:
 def _ort_cuda_healthy(monkeypatch):
     """The scenarios here inject NVML/host/version facts; onnxruntime's CUDA provider is injected as healthy too
     (its own findings are tested in tests/ort/test_cuda.py), so this machine's onnxruntime does not leak in."""
-    import pipeline.env
-    monkeypatch.setattr(pipeline.env, "ort_cuda_status", lambda: {
+    import pipeline.host.cuda
+    monkeypatch.setattr(pipeline.host.cuda, "ort_cuda_status", lambda: {
         "onnxruntime": "1.31.1", "providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
         "cuda_provider": True, "problem": None})
 
@@ -234,7 +234,7 @@ def test_isa_class_reported_and_rendered(capsys):
     assert rep["host"]["cpu_isa"]["class"] == "x86_64-avx2" and rep["findings"] == []
     render_doctor(rep, Console(width=200))
     assert "CPU ISA class: x86_64-avx2" in capsys.readouterr().out
-    from pipeline.env import cpu_isa
+    from pipeline.host.cpu import cpu_isa
     assert doctor.collect_host()["cpu_isa"] == cpu_isa()
 
 

@@ -98,9 +98,9 @@ def test_history_table_has_no_exponent(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize("isa", ["x86_64-avx2", "x86_64-avx512vnni", "x86_64-amx"])
 def test_history_machine_class_is_the_isa_class_of_the_cache_keys(isa, monkeypatch):
     """The history's machine class is the ISA class cache keys and reports use (README named one `x86_64-amx_int8`)."""
-    from pipeline import env
+    from pipeline.host import cpu
     from pipeline.history import facts
-    monkeypatch.setattr(env, "cpu_isa", lambda: {"class": isa, "flags": ["amx_int8"], "source": "emulated"})
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: {"class": isa, "flags": ["amx_int8"], "source": "emulated"})
     monkeypatch.setattr(facts, "gpus", lambda: ({}, []))
     assert facts.machine_class(facts.machine_facts()) == isa
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()

@@ -10,7 +10,8 @@ import threading
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import cli, env
+from pipeline import cli
+from pipeline.host import cpu
 from pipeline.console import UNBOUNDED, make_console
 
 LONG = "x86_64-avx512vnni-emulated-class-longer-than-any-real-one"
@@ -19,7 +20,7 @@ LONG = "x86_64-avx512vnni-emulated-class-longer-than-any-real-one"
 @pytest.fixture
 def isa(monkeypatch, tmp_path, request):
     monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(env, "cpu_isa", lambda: {"class": request.param, "flags": [], "source": "emulated"})
+    monkeypatch.setattr(cpu, "cpu_isa", lambda: {"class": request.param, "flags": [], "source": "emulated"})
     return request.param
 
 

@@ -344,7 +344,7 @@ cli.main()
 def test_builtin_source_under_two_forge_homes_gives_identical_keys_and_digests(tmp_path, monkeypatch):
     """The default model (a builtin converted under FORGE_HOME/models) from two homes: the source stage's key
     and payload digest agree, so every key downstream agrees and one cache serves both (issue 12)."""
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     from pipeline.recipe import resolve
     from pipeline.source import DEFAULT_SOURCE, resolve_source
     from pipeline.stages.source import SourceStage

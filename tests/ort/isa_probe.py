@@ -2,7 +2,7 @@
 
 ``python isa_probe.py DIR`` reads ``DIR/x.npy`` (input), ``DIR/ref.npy`` (FP32 result) and every ``DIR/*.onnx``,
 runs each with ONNX Runtime's CPU provider (graph optimisation level ``extended``, as forge's build stage) and prints
-``{"isa": pipeline.env.cpu_isa(), "errors": {name: mean relative error}}``. numpy + onnxruntime only, so the test
+``{"isa": pipeline.host.cpu.cpu_isa(), "errors": {name: mean relative error}}``. numpy + onnxruntime only, so the test
 can run it under ``qemu-x86_64 -cpu Haswell`` (an emulated AVX2 CPU without VNNI) in reasonable time.
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from pipeline.env import cpu_isa
+from pipeline.host.cpu import cpu_isa
 
 
 def main(d: Path) -> None:

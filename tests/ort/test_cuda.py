@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.env import ort_cuda_status
+from pipeline.host.cuda import ort_cuda_status
 
 ROOT = Path(__file__).resolve().parents[2]
 CUDA = ort_cuda_status()
@@ -80,10 +80,10 @@ def test_plan_says_cuda_build_cannot_run_here_with_the_finish_command(tmp_path):
 
 
 def test_cuda_hardware_names_the_gpu(monkeypatch):
-    import pipeline.env as env
-    env.cuda_device.cache_clear()
-    monkeypatch.setattr(env, "cuda_device", lambda: {"name": "NVIDIA H200", "sm": 90})
-    assert env.cuda_hardware() == "cuda:sm_90:NVIDIA H200"
+    from pipeline.host import gpu
+    gpu.cuda_device.cache_clear()
+    monkeypatch.setattr(gpu, "cuda_device", lambda: {"name": "NVIDIA H200", "sm": 90})
+    assert gpu.cuda_hardware() == "cuda:sm_90:NVIDIA H200"
 
 
 # ---------------------------------------------------------------- doctor
@@ -102,7 +102,7 @@ def test_doctor_reports_the_cuda_provider():
 def test_preload_cuda_uses_ort_s_preload_then_the_nvidia_wheel_folders(tmp_path):
     """forge loads the CUDA libraries itself (no LD_LIBRARY_PATH): ORT's preload_dlls first (its output kept), then
     each library still missing from the nvidia/*/lib folders of any site-packages, by full path."""
-    from pipeline import env
+    from pipeline.host import cuda as host_cuda
     calls = []
 
     class FakeOrt:
@@ -116,16 +116,16 @@ def test_preload_cuda_uses_ort_s_preload_then_the_nvidia_wheel_folders(tmp_path)
     lib.mkdir(parents=True)
     (lib / "libcublas.so.13").write_bytes(b"")
     loaded = []
-    res = env.preload_cuda(FakeOrt(), lib_dirs=lambda: [str(tmp_path / "empty"), str(lib)], load=loaded.append)
+    res = host_cuda.preload_cuda(FakeOrt(), lib_dirs=lambda: [str(tmp_path / "empty"), str(lib)], load=loaded.append)
     assert calls == [(True, True)] and res["ort_preload_dlls"] == "Failed to load libcudnn.so.9"
-    if env._loaded_path("libcublas.so.13") is None:          # (a CUDA machine may have it loaded already)
+    if host_cuda._loaded_path("libcublas.so.13") is None:          # (a CUDA machine may have it loaded already)
         assert loaded == [str(lib / "libcublas.so.13")] and res["loaded"]["cublas"] == str(lib / "libcublas.so.13")
-    assert set(res["loaded"]) == set(env.CUDA_LIBRARIES)
+    assert set(res["loaded"]) == set(host_cuda.CUDA_LIBRARIES)
 
     class CpuOrt(FakeOrt):
         def get_available_providers(self):
             return ["CPUExecutionProvider"]
-    assert env.preload_cuda(CpuOrt(), lib_dirs=lambda: [], load=loaded.append)["ort_preload_dlls"] is None
+    assert host_cuda.preload_cuda(CpuOrt(), lib_dirs=lambda: [], load=loaded.append)["ort_preload_dlls"] is None
 
 
 def test_doctor_json_cli_has_the_cuda_section():
@@ -137,7 +137,7 @@ def test_doctor_json_cli_has_the_cuda_section():
 
 
 def test_cuda_library_versions_read_from_the_libraries():
-    from pipeline.env import CUDA_LIBRARIES, cuda_library_versions
+    from pipeline.host.cuda import CUDA_LIBRARIES, cuda_library_versions
     libs = cuda_library_versions()
     assert set(libs) == set(CUDA_LIBRARIES)
     for v in libs.values():

@@ -1,7 +1,7 @@
 """forge's INT8 method computes the same numbers on every CPU ISA class (issue 11).
 
 ONNX Runtime's x86 kernels for u8 activations x s8 weights sum pairs of products in saturating 16-bit lanes on
-AVX2 / AVX-512 without VNNI (pipeline/env.py, pipeline/ort/quantize.py: isa_accuracy_risk). An adversarial MatMul
+AVX2 / AVX-512 without VNNI (pipeline/host/cpu.py, pipeline/ort/quantize.py: isa_accuracy_risk). An adversarial MatMul
 (weights +-0.05, inputs uniform [0, 1): every uint8 activation is large, so pairs of products overflow int16) shows
 it: full-range s8 weights give ~9 % mean relative error there and ~0.45 % with VNNI/AMX. forge's INT8 kernels
 (the dynamic part with INT8_DEFAULTS and the 8-bit MatMulNBits part of the ``mixed`` method) must stay accurate on
@@ -21,7 +21,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from pipeline.env import U8S8_SATURATING, cpu_isa
+from pipeline.host.cpu import U8S8_SATURATING, cpu_isa
 from pipeline.ort.quantize import INT8_DEFAULTS, _nbits, int8_dynamic
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -46,7 +46,7 @@ def test_default_int8_meets_gates(fp32_dir, tmp_path):
     from pipeline.ort.quantize import quantize_onnx
 
     tok = AutoTokenizer.from_pretrained(fp32_dir)
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     home = forge_home()
     try:
         calib_text, eval_text = data.load_text("sotu", "calib", home), data.load_text("wiki", "eval", home)

@@ -30,7 +30,7 @@ def tok_windows(model_dir):
 
     from pipeline import data
     tok = AutoTokenizer.from_pretrained(str(model_dir))
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     home = forge_home()
     calib = data.token_windows(tok, data.load_text("sotu", "calib", home), 4, 128, 0)
     ev = data.token_windows(tok, data.load_text("wiki", "eval", home), 2, 128, 0)

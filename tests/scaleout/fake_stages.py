@@ -35,8 +35,8 @@ class FakeKnobs(BaseModel):
 
 
 if os.environ.get("FORGE_TEST_ISA_CLASS"):
-    import pipeline.env
-    pipeline.env.cpu_isa_class = lambda: os.environ["FORGE_TEST_ISA_CLASS"]
+    import pipeline.host.cpu
+    pipeline.host.cpu.cpu_isa_class = lambda: os.environ["FORGE_TEST_ISA_CLASS"]
 
 for _key in [k for k in recipe_options.QUANTIZERS if k[1] == "none"]:
     recipe_options.QUANTIZERS[_key] = recipe_options.Quantizer(FakeKnobs)
@@ -101,7 +101,7 @@ class Gate(Stage):
         return cpu_isa_hardware() if _opt(r, "isa") else super().hardware(r)
 
     def run(self, ctx):
-        from pipeline.env import cpu_isa_class
+        from pipeline.host.cpu import cpu_isa_class
         (ctx.out / "ok").write_text("ok")
         (ctx.out / "model" / "1").mkdir(parents=True)     # an empty folder, as Triton's ensemble/1/
         return {"passed": True, "isa_class": cpu_isa_class(), **_where()}

@@ -29,8 +29,8 @@ GPU_SM90 = {"CPU": 1.0, "GPU": 1.0, "sm_90": 1.0}
 @pytest.fixture
 def driver(monkeypatch):
     """The driver emulated: an x86_64-avx2 CPU and an H200 (sm_90), whatever this machine has."""
-    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-avx2")
-    monkeypatch.setattr("pipeline.env.cuda_device", lambda: {"sm": 90, "name": "NVIDIA H200"})
+    monkeypatch.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-avx2")
+    monkeypatch.setattr("pipeline.host.gpu.cuda_device", lambda: {"sm": 90, "name": "NVIDIA H200"})
     monkeypatch.setattr("pipeline.stages.base.gpu_sm", lambda: 90)
     return monkeypatch
 
@@ -82,9 +82,9 @@ def test_isa_keyed_stages_run_only_on_the_drivers_class(driver):
     r = resolve("smollm2-135m-int8")
     s = _stages(r)["evaluate"]
     assert str(s.hardware(r)) == "cpu:x86_64-avx2"
-    driver.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-amx")       # a driver of the GPU node's class
+    driver.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-amx")       # a driver of the GPU node's class
     assert place(s, r, NODES) == (None, f"CPU 1, isa:x86_64-amx 0.001 {ON_SM90_NODE}")
-    driver.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-avx512vnni")  # a class no node has
+    driver.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-avx512vnni")  # a class no node has
     missing, where = place(s, r, NODES)
     assert where == "nowhere" and "no node in the Ray cluster has CPU 1, isa:x86_64-avx512vnni 0.001" in missing
     assert "--resources='{\"isa:x86_64-avx512vnni\": 1}'" in missing
@@ -106,7 +106,7 @@ def test_the_hint_names_the_key_that_is_read_and_following_it_places_the_stage(d
 
 
 def test_cuda_ort_hint_on_a_driver_without_a_gpu(driver):
-    driver.setattr("pipeline.env.cuda_device", lambda: None)
+    driver.setattr("pipeline.host.gpu.cuda_device", lambda: None)
     r = resolve("smollm2-135m-cuda-fp16")
     missing, _ = place(_stages(r)["build"], r, NODES)
     assert "has no CUDA GPU" in missing and "cuda:sm_90:NVIDIA H200" in missing
@@ -126,8 +126,8 @@ def test_hardware_keeps_the_key_text_and_its_fields_survive_pickling():
 
 
 def test_node_resources(monkeypatch):
-    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-avx512vnni")
-    monkeypatch.setattr("pipeline.env.gpus", lambda: [{"sm": 90}, {"sm": 90}, {"sm": 80}])
+    monkeypatch.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-avx512vnni")
+    monkeypatch.setattr("pipeline.host.gpu.gpus", lambda: [{"sm": 90}, {"sm": 90}, {"sm": 80}])
     assert node_resources() == {"isa:x86_64-avx512vnni": 1, "sm_90": 2, "sm_80": 1}
     monkeypatch.undo()
     p = subprocess.run([sys.executable, "-m", "pipeline.ray_executor", "--node-resources"], capture_output=True,
@@ -151,8 +151,8 @@ def test_the_in_process_fallback_advertises_this_machines_hardware(monkeypatch):
 
     monkeypatch.setattr(rx, "_ray", lambda: FakeRay())
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-amx")
-    monkeypatch.setattr("pipeline.env.gpus", lambda: [{"sm": 90}])
+    monkeypatch.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-amx")
+    monkeypatch.setattr("pipeline.host.gpu.gpus", lambda: [{"sm": 90}])
     assert rx.connect(None) == "a Ray instance started on this machine"
     assert calls[0]["resources"] == {"isa:x86_64-amx": 1, "sm_90": 1}
 

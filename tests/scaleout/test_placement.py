@@ -35,7 +35,7 @@ def test_trtllm_engine_stages_ask_for_tp_x_pp_gpus_of_their_architecture(tp, pp)
 @pytest.fixture
 def avx2_driver(monkeypatch):
     """The driver's CPU emulated as x86_64-avx2 (the tests hold on every ISA class)."""
-    monkeypatch.setattr("pipeline.env.cpu_isa_class", lambda: "x86_64-avx2")
+    monkeypatch.setattr("pipeline.host.cpu.cpu_isa_class", lambda: "x86_64-avx2")
 
 
 def test_placement_by_resources(avx2_driver):

@@ -205,7 +205,7 @@ def test_ray_executor_needs_a_shared_cache(tmp_path):
 def test_real_recipe_source_stage_is_shared(shared):
     """The real source stage of the default recipe through the bucket: machine b (its own FORGE_HOME, the same
     converted model) finds a's entry, downloads and verifies it, and every later key agrees."""
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     a, b = shared.machine("a"), shared.machine("b")
     for m in (a, b):
         link_home(forge_home(), m.home)
@@ -239,7 +239,7 @@ def test_package_built_in_one_home_serves_in_another(shared, default_build, defa
     import threading
     import urllib.request
 
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     from pipeline.triton.serve import find_tritonserver, free_port
     try:
         find_tritonserver()

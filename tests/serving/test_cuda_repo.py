@@ -34,7 +34,7 @@ def test_cpu_package_unchanged(tiny_artifacts, tmp_path):
 
 
 def test_cuda_manifest_names_the_gpu_and_deploy_needs_one(tiny_artifacts, tmp_path):
-    """The package stage's target for a cuda recipe (pipeline.env.cuda_hardware) becomes a GPU hardware record;
+    """The package stage's target for a cuda recipe (pipeline.host.gpu.cuda_hardware) becomes a GPU hardware record;
     verify-deploy refuses a machine without a GPU and accepts one with it."""
     from pipeline.triton.manifest import current_env, read_manifest, verify_deploy, write_manifest
     out, summary = _repo(tiny_artifacts, tmp_path, "cuda")

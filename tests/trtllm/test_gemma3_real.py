@@ -23,7 +23,7 @@ def test_gemma3_270m_bf16_checkpoint_matches_hf(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline import data
-    from pipeline.env import forge_home
+    from pipeline.host.paths import forge_home
     from pipeline.eval.metrics import compare_logits
     from pipeline.modelinfo import ModelInfo
     from pipeline.source import resolve_source

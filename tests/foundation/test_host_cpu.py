@@ -1,10 +1,10 @@
 """The CPU's ISA class follows MLAS's kernel dispatch (microsoft/onnxruntime onnxruntime/core/mlas/lib/platform.cpp,
-see pipeline/env.py), read from CPUID registers: captured here from real / emulated CPUs."""
+see pipeline/host/cpu.py), read from CPUID registers: captured here from real / emulated CPUs."""
 
 import pytest
 
-from pipeline import env
-from pipeline.env import ISA_CLASSES, U8S8_SATURATING, _arm_class, _x86_class, _x86_flags_from_cpuid
+from pipeline.host import cpu
+from pipeline.host.cpu import ISA_CLASSES, U8S8_SATURATING, _arm_class, _x86_class, _x86_flags_from_cpuid
 
 # CPUID (eax, ebx, ecx, edx) of leaves 1, 7.0, 7.1 and XCR0, captured with cpuid-native
 SAPPHIRE_RAPIDS = {"1": (0xA0671, 0x20800, 0xFFFA3203, 0x1F8BFBFF), "7.0": (0x2, 0xF1BF2FFB, 0x1A415F46, 0x23C14010),
@@ -59,26 +59,26 @@ def test_arm_classes():
 
 
 def test_this_machine():
-    isa = env.cpu_isa()
+    isa = cpu.cpu_isa()
     assert isa["class"] in ISA_CLASSES or isa["source"] == "platform"
-    facts = env.cpu_facts()
-    assert facts["isa_class"] == env.cpu_isa_class() == isa["class"] and facts["cpu_model"]
-    if env.platform.machine() == "x86_64":
+    facts = cpu.cpu_facts()
+    assert facts["isa_class"] == cpu.cpu_isa_class() == isa["class"] and facts["cpu_model"]
+    if cpu.platform.machine() == "x86_64":
         assert isa["source"] == "cpuid", "cpuid-native is a dependency on x86-64 (pyproject.toml)"
 
 
 def test_proc_cpuinfo_is_only_the_fallback(monkeypatch):
     """Without cpuid-native the flags come from /proc/cpuinfo (and say so): the doctor warns about it."""
-    if env.platform.machine() != "x86_64":
+    if cpu.platform.machine() != "x86_64":
         pytest.skip("x86-64 only")
-    env.cpu_isa.cache_clear()
-    monkeypatch.setattr(env, "_x86_cpuid", lambda: None)
+    cpu.cpu_isa.cache_clear()
+    monkeypatch.setattr(cpu, "_x86_cpuid", lambda: None)
     try:
-        isa = env.cpu_isa()
+        isa = cpu.cpu_isa()
         assert isa["source"] == "/proc/cpuinfo"
-        assert set(isa["flags"]) <= env.ISA_FLAG_NAMES
+        assert set(isa["flags"]) <= cpu.ISA_FLAG_NAMES
     finally:
-        env.cpu_isa.cache_clear()
+        cpu.cpu_isa.cache_clear()
 
 
 def test_isa_dependent_stages_name_the_class_in_their_key():
@@ -89,9 +89,9 @@ def test_isa_dependent_stages_name_the_class_in_their_key():
 
     r = resolve("smollm2-135m-int8")
     hw = {s.name: s.hardware(r) for s in flow_for("onnxruntime")}
-    isa = f"cpu:{env.cpu_isa_class()}"
+    isa = f"cpu:{cpu.cpu_isa_class()}"
     assert hw["build"] == hw["evaluate"] == isa
-    assert hw["quantize"] == f"cpu:{env.platform.machine()}"
+    assert hw["quantize"] == f"cpu:{cpu.platform.machine()}"
     assert hw["validate"] == hw["package"] == "any"
 
 
@@ -105,6 +105,6 @@ def test_plan_shows_the_hardware(monkeypatch, tmp_path):
     res = CliRunner().invoke(app, ["plan", "smollm2-135m-int8", "--json"])
     assert res.exit_code == 0, res.output
     stages = {s["name"]: s for s in json.loads(res.output)["stages"]}
-    assert stages["evaluate"]["hardware"] == stages["build"]["hardware"] == f"cpu:{env.cpu_isa_class()}"
+    assert stages["evaluate"]["hardware"] == stages["build"]["hardware"] == f"cpu:{cpu.cpu_isa_class()}"
     res = CliRunner().invoke(app, ["plan", "smollm2-135m-int8"])
-    assert f"cpu:{env.cpu_isa_class()}" in res.output
+    assert f"cpu:{cpu.cpu_isa_class()}" in res.output

@@ -9,7 +9,7 @@
 #           lab/gpu_7b_serve.sh finish DIR [S]   call 6: the last part, then wait up to S s for `bg`; results to $OUT
 #   bg (background, setsid): cp312 wheels -> /tmp/fsite; the pin's CPU onnxruntime wheel (onnxruntime 1.31.1) in
 #   place of the image's 1.30; random weights on the GPU; forge build --until quantize (export/quantize run on the
-#   CPU provider, and both ORT wheels of one pin give the same cache key: pipeline/env.py TOOLS); once the GPU wheel
+#   CPU provider, and both ORT wheels of one pin give the same cache key: pipeline/host/tools.py TOOLS); once the GPU wheel
 #   is whole, `python -m pipeline.gpu_setup install` swaps it in (as make setup does); forge build to package; then
 #   python -m bench.serve (forge serve + tritonclient http,grpc vs the validated greedy tokens).
 # The wheels carried are those the image lacks (docs/gpu-runs.md); transformers/tokenizers are the image's.

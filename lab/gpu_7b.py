@@ -139,16 +139,7 @@ def build(res: dict, log, layers: int, timeout: int) -> None:
                       *(["--until", s] if s else []), "--report-dir", str(OUT / "build")], left, log)
             if rc != 0:
                 break
-        rep = OUT / "build" / r / "report.json"
-        if rep.exists():
-            rep_j = json.loads(rep.read_text())
-            res.setdefault("reports", {})[r] = {
-                "status": rep_j.get("status"),
-                "stages": {x["name"]: {k: x.get(k) for k in ("status", "duration_s", "peak_rss_mb", "message")}
-                           for x in rep_j.get("stages", [])},
-                "metrics": {x["name"]: x.get("metrics") for x in rep_j.get("stages", [])
-                            if x["name"] in ("export", "quantize", "build", "evaluate", "validate")}}
-            (OUT / f"7b-{res['phase']}.json").write_text(json.dumps(res, indent=2, default=str))
+        report(res, r)
 
 
 def report(res: dict, r: str) -> None:

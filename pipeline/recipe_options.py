@@ -1,7 +1,8 @@
-"""The schema of ``quantize.options``: one model per (build.target, quantize.algo), each option declared once
-with its type, default, bounds and what it does. The recipe validates a recipe's options against the model of
-its target and algo (a typo is an error naming the key, with did-you-mean); the quantizers take their defaults
-from here (``pipeline/ort/quantize.py``, ``pipeline/quant/configs.py``).
+"""The schema of ``quantize.options``: the options models of the quantizers, each option declared once with its
+type, default, bounds and what it does. Which model a (build.target, quantize.algo) reads is the target's
+declaration (pipeline/targets/<target>.py, ``quantizers``); the recipe validates a recipe's options against it (a
+typo is an error naming the key, with did-you-mean) and the quantizers receive the validated model (their defaults
+are these: ``pipeline/ort/quantize.py``, ``pipeline/tensorrt/quantize.py``).
 
 To add an option: declare it on the model of the quantizer that reads it (or on a shared base), with a default
 that reproduces today's behaviour; the cache key already includes ``quantize.options`` as written.
@@ -9,7 +10,6 @@ that reproduces today's behaviour; the cache key already includes ``quantize.opt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -126,35 +126,3 @@ class TensorrtFp8Options(TensorrtOptions):
 
 class ModeloptOptions(Options):
     """tensorrt_llm (ModelOpt): ``exclude`` patterns match module names; their quantizers stay off."""
-
-
-@dataclass(frozen=True)
-class Quantizer:
-    """What one (target, algo) reads: its options model, and the quantize-section keys it uses."""
-    options: type[BaseModel]
-    section_keys: tuple[str, ...] = ()     # quantize.alpha / quantize.block_size
-
-
-_MODELOPT = {"none": Quantizer(ModeloptOptions), "int8_sq": Quantizer(ModeloptOptions, ("alpha",)),
-             "int8_wo": Quantizer(ModeloptOptions), "int4_wo": Quantizer(ModeloptOptions, ("block_size",)),
-             "int4_awq": Quantizer(ModeloptOptions, ("block_size",)), "fp8": Quantizer(ModeloptOptions)}
-_ORT = {"none": Quantizer(NoOptions), "int8": Quantizer(OrtInt8Options, ("block_size",)),
-        "int4_wo": Quantizer(OrtInt4Options, ("block_size",))}
-QUANTIZERS: dict[tuple[str, str], Quantizer] = {
-    **{("onnxruntime", a): q for a, q in _ORT.items()},
-    **{("tensorrt_llm", a): q for a, q in _MODELOPT.items()},
-    ("tensorrt", "none"): Quantizer(NoOptions), ("tensorrt", "int8"): Quantizer(TensorrtInt8Options),
-    ("tensorrt", "fp8"): Quantizer(TensorrtFp8Options),
-}
-# a quantize-section key -> the option it stands for in ONNX Runtime's quantizers
-ORT_SECTION_OPTION = {"block_size": "block_size"}
-# One spelling per option (issue 25): SmoothQuant's strength is quantize.alpha where ModelOpt's torch quantizer
-# reads it (tensorrt_llm) and quantize.options.smoothquant_alpha where the quantizer's options model owns it
-# (null there turns smoothing off, which a section-level alpha cannot say). The other spelling is refused.
-MOVED_SECTION_KEYS = {("onnxruntime", "alpha"): "quantize.options.smoothquant_alpha",
-                      ("tensorrt", "alpha"): "quantize.options.smoothquant_alpha"}
-MOVED_OPTIONS = {("tensorrt_llm", "smoothquant_alpha"): "quantize.alpha"}
-
-
-def quantizer(target: str, algo: str) -> Quantizer | None:
-    return QUANTIZERS.get((target, algo))

@@ -19,12 +19,12 @@ from typing import get_args
 
 from pipeline.gpus import min_sm
 from pipeline.modelinfo import ModelInfo
-from pipeline.recipe import TARGET_ALGOS, QuantizeSection
+from pipeline.recipe import QuantizeSection
 from pipeline.trtllm.build_config import KV_CACHE_ALGO, QUANT_ALGO
 
 # the recipe schema's choices (pipeline/recipe.py), for callers of this module
 METHODS = get_args(QuantizeSection.model_fields["method"].annotation)
-ALGOS = tuple(sorted(TARGET_ALGOS["tensorrt_llm"]))
+ALGOS = tuple(QUANT_ALGO)      # the tensorrt_llm target's algos (pipeline/targets/tensorrt_llm.py reads the same map)
 KV_CACHE = get_args(QuantizeSection.model_fields["kv_cache"].annotation)
 INT4_ALGOS = ("int4_wo", "int4_awq")
 # SmoothQuant migration strength when quantize.alpha is unset: ModelOpt's own default. On SmolLM2

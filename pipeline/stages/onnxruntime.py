@@ -87,10 +87,10 @@ class OrtExport(Stage):
 
 def ort_options(q) -> dict:
     """quantize.options as written, with quantize.block_size as the option it stands for
-    (pipeline/recipe_options.py; the recipe schema refuses both spellings at once)."""
-    from ..recipe_options import ORT_SECTION_OPTION
+    (pipeline/targets/onnxruntime.py; the recipe schema refuses both spellings at once)."""
+    from ..targets import registry
     opts = dict(q.options)
-    for key, opt in ORT_SECTION_OPTION.items():
+    for key, opt in registry.get("onnxruntime").section_options.items():
         if getattr(q, key) is not None:
             opts[opt] = getattr(q, key)
     return opts

@@ -45,7 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ForgeError
-from ..recipe_options import TensorrtOptions, quantizer
+from ..recipe_options import TensorrtOptions
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx_data"     # ModelOpt's name for the external weights of its output
@@ -54,10 +54,11 @@ TRT_UNPARSABLE = {"MatMulInteger", "DynamicQuantizeLinear", "MatMulNBits", "Dyna
 
 
 def resolve_options(algo: str, options: dict) -> TensorrtOptions:
-    """The options model of ``algo`` (pipeline/recipe_options.py) filled from ``quantize.options``."""
+    """The options model of ``algo`` (pipeline/targets/tensorrt.py) filled from ``quantize.options``."""
     from pydantic import ValidationError
 
-    qz = quantizer("tensorrt", algo)
+    from ..targets import registry
+    qz = registry.get("tensorrt").quantizers.get(algo)
     if qz is None or not issubclass(qz.options, TensorrtOptions):
         if options:
             raise ForgeError(f"quantize.options {sorted(options)} do not apply to quantize.algo {algo!r} "

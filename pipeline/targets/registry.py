@@ -1,0 +1,107 @@
+"""The target registry: what a build target (``build.target``) is, in one place per target.
+
+A :class:`Target` declares its name, the model of its ``build.<name>`` recipe section, the quantizers it offers
+(``quantize.algo`` -> the options model ``quantize.options`` is validated against and handed to the quantizer),
+and its flow: the stage classes in order, each of which says the hardware it needs (``Stage.hardware``,
+pipeline/hardware.py). The recipe schema (pipeline/recipe.py), the flows (``pipeline.stages.flow_for``) and every
+message that lists targets ask this module; nothing else names a target.
+
+This module imports no target code: the built-in targets (``pipeline/targets/<name>.py``) are imported the first
+time the registry is read, so the recipe schema can ask it without an import loop, and a plug-in (or a test)
+adds one with ``register(Target(...))``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Mapping
+
+# the built-in targets, in the order their build sections are written (part of every recipe's resolved text)
+BUILTIN = ("onnxruntime", "tensorrt_llm", "tensorrt")
+DEFAULT = "onnxruntime"
+
+
+@dataclass(frozen=True)
+class Quantizer:
+    """What one ``quantize.algo`` of a target reads: its options model, and the quantize-section keys it uses."""
+    options: type                          # a pydantic model: the schema of quantize.options for this algo
+    section_keys: tuple[str, ...] = ()     # quantize.alpha / quantize.block_size
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    section: type                          # pydantic model of build.<name>
+    quantizers: Mapping[str, Quantizer]    # quantize.algo -> its quantizer ("none" included: nothing quantized)
+    flow: tuple[type, ...]                 # Stage subclasses, in run order
+    summary: str = ""
+    kv_cache: bool = False                 # reads quantize.kv_cache (a quantized KV cache)
+    qat: bool = False                      # offers quantize.method: qat
+    # quantize.<key> that stands for quantize.options.<option> of this target's quantizers (block_size)
+    section_options: Mapping[str, str] = field(default_factory=dict)
+    # a key this target reads under another spelling: quantize.<key> -> its home, quantize.options.<opt> -> its home
+    moved_section_keys: Mapping[str, str] = field(default_factory=dict)
+    moved_options: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def algos(self) -> tuple[str, ...]:
+        return tuple(self.quantizers)
+
+    def stages(self) -> list:
+        return [c() for c in self.flow]
+
+    def hardware(self, recipe) -> dict:
+        """Each stage's hardware for ``recipe`` (pipeline/hardware.py), by stage name."""
+        return {s.name: s.hardware(recipe) for s in self.stages()}
+
+
+_TARGETS: dict[str, Target] = {}
+_loaded = False
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for name in BUILTIN:
+            importlib.import_module(f"pipeline.targets.{name}")
+
+
+def register(target: Target) -> Target:
+    """Add (or replace, by name) a target; returns it. Built-in targets register themselves on import."""
+    if not target.name.isidentifier():
+        raise ValueError(f"target name {target.name!r}: must be an identifier (it is a recipe key, build.<name>)")
+    if "none" not in target.quantizers:
+        raise ValueError(f"target {target.name!r}: its quantizers must include 'none' (nothing quantized)")
+    _load_builtins()
+    _TARGETS[target.name] = target
+    return target
+
+
+def unregister(name: str) -> None:
+    _TARGETS.pop(name, None)
+
+
+def names() -> tuple[str, ...]:
+    """Registered target names: the built-ins in BUILTIN order (whichever was imported first), then the others."""
+    _load_builtins()
+    return tuple(sorted(_TARGETS, key=lambda n: (BUILTIN.index(n) if n in BUILTIN else len(BUILTIN),)))
+
+
+def all_targets() -> tuple[Target, ...]:
+    return tuple(_TARGETS[n] for n in names())
+
+
+def get(name: str) -> Target:
+    """The target called ``name``; KeyError naming the registered ones otherwise."""
+    _load_builtins()
+    try:
+        return _TARGETS[name]
+    except KeyError:
+        raise KeyError(f"unknown build.target {name!r} (targets: {', '.join(names())})") from None
+
+
+def quantization_algos() -> tuple[str, ...]:
+    """Every quantize.algo some registered target offers (the recipe schema's choices), in first-seen order."""
+    return tuple(dict.fromkeys(a for t in all_targets() for a in t.quantizers))

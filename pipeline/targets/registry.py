@@ -48,6 +48,17 @@ class Target:
     def algos(self) -> tuple[str, ...]:
         return tuple(self.quantizers)
 
+    def quantize_options(self, quantize):
+        """The options model of ``quantize.algo`` filled from the recipe's quantize section (``quantize.options``,
+        plus the section keys that stand for an option): what the quantizer receives. The recipe schema has
+        already refused what does not validate (pipeline/recipe.py quantize_problems)."""
+        qz = self.quantizers[quantize.algo]
+        opts = dict(quantize.options)
+        for key, opt in self.section_options.items():
+            if key in qz.section_keys and getattr(quantize, key) is not None:
+                opts[opt] = getattr(quantize, key)
+        return qz.options.model_validate(opts)
+
     def stages(self) -> list:
         return [c() for c in self.flow]
 

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from ..recipe import MAX_THREADS, Section
-from ..recipe_options import NoOptions, OrtInt4Options, OrtInt8Options
+from ..ort.quantize import OPTIONS
 from ..stages.onnxruntime import OrtBuildStage, OrtEvaluate, OrtExport, OrtPackage, OrtQuantize
 from ..stages.source import SourceStage
 from ..stages.validate import ValidateStage
@@ -39,8 +39,9 @@ class OrtBuild(Section):
 TARGET = register(Target(
     name="onnxruntime",
     section=OrtBuild,
-    quantizers={"none": Quantizer(NoOptions), "int8": Quantizer(OrtInt8Options, ("block_size",)),
-                "int4_wo": Quantizer(OrtInt4Options, ("block_size",))},
+    # the algos ONNX Runtime's quantizer implements, with their options models (pipeline/ort/quantize.OPTIONS)
+    quantizers={a: Quantizer(m, ("block_size",) if "block_size" in m.model_fields else ())
+                for a, m in OPTIONS.items()},
     flow=(SourceStage, OrtExport, OrtQuantize, OrtBuildStage, OrtEvaluate, ValidateStage, OrtPackage),
     summary="ONNX Runtime (CPU, or CUDA with build.onnxruntime.provider: cuda)",
     section_options={"block_size": "block_size"},

@@ -7,7 +7,7 @@ from typing import Literal, Optional
 from pydantic import Field
 
 from ..recipe import MAX_BATCH, MAX_SEQ_LEN, Section
-from ..recipe_options import NoOptions, TensorrtFp8Options, TensorrtInt8Options
+from ..tensorrt.quantize import OPTIONS
 from ..stages.onnxruntime import OrtExport
 from ..stages.source import SourceStage
 from ..stages.tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
@@ -31,8 +31,8 @@ class TensorrtBuild(Section):
 TARGET = register(Target(
     name="tensorrt",
     section=TensorrtBuild,
-    quantizers={"none": Quantizer(NoOptions), "int8": Quantizer(TensorrtInt8Options),
-                "fp8": Quantizer(TensorrtFp8Options)},
+    # the algos ModelOpt's ONNX PTQ is driven with, with their options models (pipeline/tensorrt/quantize.OPTIONS)
+    quantizers={a: Quantizer(m) for a, m in OPTIONS.items()},
     flow=(SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage),
     summary="TensorRT engine from an ONNX graph with QDQ (ModelOpt ONNX PTQ)",
     moved_section_keys={"alpha": "quantize.options.smoothquant_alpha"},

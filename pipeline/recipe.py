@@ -183,6 +183,11 @@ class BuildSection(Section):
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
 
+    def __setattr__(self, name, value):       # a target's section assigned whole is validated like the rest
+        if name != "target" and name in registry.names() and not isinstance(value, registry.get(name).section):
+            value = registry.get(name).section.model_validate(value)
+        super().__setattr__(name, value)
+
     def section(self, name: str) -> BaseModel:
         """The ``build.<name>`` section of a registered target."""
         return getattr(self, name)
@@ -915,10 +920,12 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     target = recipe.build.target
     p = [f"{source}: {m}" for m in quantize_problems(recipe.quantize.model_dump(), target)]
     t = recipe.validate_.thresholds
-    for key, targets in THRESHOLD_TARGETS.items():
-        if getattr(t, key) is not None and target not in targets:
+    own = registry.get(target)
+    for key in sorted({k for x in registry.all_targets() for k in x.thresholds} - set(own.thresholds)):
+        if getattr(t, key) is not None:
+            producers = sorted(x.name for x in registry.all_targets() if key in x.thresholds)
             p.append(f"{source}: validate.thresholds.{key} gates a metric only build.target "
-                     f"{' / '.join(sorted(targets))} produces; remove it for '{target}'")
+                     f"{' / '.join(producers)} produces; remove it for '{target}'")
     b = recipe.build.onnxruntime
     if b.provider != "cuda":
         for key, bad in (("precision", b.precision == "fp16"), ("cuda_graph", b.cuda_graph)):
@@ -928,15 +935,10 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     if b.provider == "cuda" and target != "onnxruntime":
         p.append(f"{source}: build.onnxruntime.provider = 'cuda' applies to build.target 'onnxruntime' only; "
                  f"remove it for '{target}'")
-    if target == "tensorrt" and recipe.export.attention == "gqa":
-        p.append(f"{source}: export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
-                 "use export.attention: standard (or auto) for build.target 'tensorrt'")
+    if own.checks is not None:
+        p += [f"{source}: {m}" for m in own.checks(recipe)]
     p += data_set_problems(recipe, source)
     return p
-
-
-# thresholds whose metric only some targets produce (the others' evaluate stages produce every other gate's)
-THRESHOLD_TARGETS = {"simulated_ppl_gap_max": {"tensorrt_llm"}}
 
 
 def data_set_problems(recipe: Recipe, source: str) -> list[str]:
@@ -958,8 +960,6 @@ def data_set_problems(recipe: Recipe, source: str) -> list[str]:
 
 
 def export_attention(recipe: Recipe) -> str:
-    """export.attention with ``auto`` resolved: gqa for onnxruntime, standard for tensorrt."""
+    """export.attention with ``auto`` resolved: what the target reads (gqa for onnxruntime, standard for tensorrt)."""
     a = recipe.export.attention
-    if a != "auto":
-        return a
-    return "standard" if recipe.build.target == "tensorrt" else "gqa"
+    return registry.get(recipe.build.target).onnx_attention if a == "auto" else a

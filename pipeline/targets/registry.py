@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 # the built-in targets, in the order their build sections are written (part of every recipe's resolved text)
 BUILTIN = ("onnxruntime", "tensorrt_llm", "tensorrt")
@@ -40,6 +40,12 @@ class Target:
     qat: bool = False                      # offers quantize.method: qat
     # quantize.<key> that stands for quantize.options.<option> of this target's quantizers (block_size)
     section_options: Mapping[str, str] = field(default_factory=dict)
+    # validate.thresholds keys gating a metric only this target's stages produce (refused for the other targets)
+    thresholds: tuple[str, ...] = ()
+    # what export.attention auto means for the ONNX graph this target exports ("gqa" / "standard")
+    onnx_attention: str = "gqa"
+    # rules across sections for a recipe that builds this target: recipe -> problems, each starting with its key
+    checks: Callable[[object], list[str]] | None = None
     # a key this target reads under another spelling: quantize.<key> -> its home, quantize.options.<opt> -> its home
     moved_section_keys: Mapping[str, str] = field(default_factory=dict)
     moved_options: Mapping[str, str] = field(default_factory=dict)

@@ -28,6 +28,13 @@ class TensorrtBuild(Section):
     max_seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="optimisation profiles: largest past + new tokens")
 
 
+def _checks(recipe) -> list[str]:
+    if recipe.export.attention == "gqa":
+        return ["export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
+                "use export.attention: standard (or auto) for build.target 'tensorrt'"]
+    return []
+
+
 TARGET = register(Target(
     name="tensorrt",
     section=TensorrtBuild,
@@ -36,4 +43,6 @@ TARGET = register(Target(
     flow=(SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage),
     summary="TensorRT engine from an ONNX graph with QDQ (ModelOpt ONNX PTQ)",
     moved_section_keys={"alpha": "quantize.options.smoothquant_alpha"},
+    onnx_attention="standard",     # TensorRT parses plain ONNX attention only
+    checks=_checks,
 ))

@@ -87,10 +87,18 @@ class ToyPackage(Stage):
         return {"packaged": True}
 
 
+def toy_checks(r) -> list[str]:
+    """A rule across sections, for recipes of this target only."""
+    if r.quantize.algo == "toy_round" and r.build.toy.width < 2:
+        return [f"build.toy.width = {r.build.toy.width}: toy_round needs at least 2 values"]
+    return []
+
+
 TOY = targets.Target(name="toy", section=ToyBuild,
                      quantizers={"none": targets.Quantizer(NoToyOptions),
                                  "toy_round": targets.Quantizer(ToyRoundOptions)},
-                     flow=(ToyMake, ToyQuantize, ToyPackage), summary="a toy target (tests only)")
+                     flow=(ToyMake, ToyQuantize, ToyPackage), summary="a toy target (tests only)",
+                     checks=toy_checks)
 
 
 @pytest.fixture
@@ -187,6 +195,12 @@ def test_the_option_default_is_the_models(toy, capsys, monkeypatch):
      ["quantize.options.stpe: unknown key; did you mean 'quantize.options.step'? (allowed here: step)"]),
     (TOY_RECIPE.replace("algo: toy_round", "algo: int8"),
      ["quantize.algo: 'int8' is not available for build.target 'toy' (allowed: none, toy_round)"]),
+    # the target's own cross-section rule
+    (TOY_RECIPE.replace("width: 7", "width: 1"), ["build.toy.width = 1: toy_round needs at least 2 values"]),
+    # a threshold only another target's stages produce
+    (TOY_RECIPE + "validate: {thresholds: {simulated_ppl_gap_max: 1.0}}\n",
+     ["validate.thresholds.simulated_ppl_gap_max gates a metric only build.target tensorrt_llm produces; remove it "
+      "for 'toy'"]),
     # an unknown target: the message lists the registered ones, the toy included
     (TOY_RECIPE.replace("target: toy", "target: toyy"),
      ["build.target = 'toyy' is not allowed: Input should be 'onnxruntime', 'tensorrt_llm', 'tensorrt' or 'toy'"]),
@@ -205,3 +219,16 @@ def test_a_built_in_recipe_does_not_see_the_toy_target_once_it_is_gone(toy, caps
     assert code == 2, out
     assert "build.target = 'toy' is not allowed: Input should be 'onnxruntime', 'tensorrt_llm' or 'tensorrt'" in out
     assert "unknown key 'build.toy'" in out
+
+
+def test_the_toy_stages_hardware_is_in_their_keys(toy):
+    from pipeline.recipe import resolve
+    from pipeline.runner import Runner
+    r = resolve(str(recipe(toy, TOY_RECIPE)))
+    hw = targets.get("toy").hardware(r)
+    assert hw == {"make": "cpu:toy-cpu", "quantize": "cpu:toy-cpu", "package": "cpu:toy-cpu"}
+    assert all(h.kind == "cpu" and not h.on_gpu for h in hw.values())
+    plan = Runner(r).plan()
+    assert [p.name for p in plan] == ["make", "quantize", "package"]
+    assert plan[0].components["hardware"] == "cpu:toy-cpu"
+    assert plan[0].components["config"] == {"width": 7, "label": "hello"}     # the whole build.toy section

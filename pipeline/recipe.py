@@ -130,8 +130,8 @@ class QuantizeSection(Section):
         "SmoothQuant migration strength (tensorrt_llm int8_sq: default 1.0, ModelOpt's; onnxruntime int8: "
         "quantize.options.smoothquant_alpha)"))
     block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
-        "int4 group size (tensorrt_llm: default 128 where it divides every width; onnxruntime: "
-        "quantize.options.block_size)"))
+        "weights per scale (tensorrt_llm int4: default 128 where it divides every width; onnxruntime int8 "
+        "blockwise / int4_wo: default 32, a power of two >= 16, its options model's block_size)"))
     kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="tensorrt_llm: quantized KV cache")
     options: dict[str, Any] = Field(default_factory=dict, description=(
         "the quantizer's options: one schema per build.target and algo, pipeline/recipe_options.py"))
@@ -899,16 +899,15 @@ def quantize_problems(q: dict, target: str) -> list[str]:
                          f"got {qat['warmup_steps']!r}")
     if qz is not None and isinstance(q.get("options"), dict):
         opts, renamed = dict(q["options"]), {}
-        for key, opt in t.section_options.items():
-            if key in qz.section_keys and q.get(key) is not None:
-                if opt in opts:
-                    p.append(f"quantize.{key}: quantize.options.{opt} says the same; set one of them")
-                opts[opt] = q[key]
-                renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
         for opt in [o for o in opts if o in t.moved_options]:
             p.append(f"quantize.options.{opt}: build.target '{target}' reads this as {t.moved_options[opt]} "
                      f"(one spelling per option); did you mean '{t.moved_options[opt]}'?")
             del opts[opt]
+        # a section key that stands for an option is validated by the option's model, named as the recipe wrote it
+        for key, opt in t.section_options.items():
+            if key in qz.section_keys and q.get(key) is not None:
+                opts[opt] = q[key]
+                renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
         for m in section_problems(qz.options, opts, ("quantize", "options")):
             head, _, rest = m.partition(" ")
             p.append(renamed.get(head, head) + " " + rest)

@@ -88,7 +88,7 @@ class OrtInt8Options(OrtOptions):
     reduce_range: bool = Field(True, description=(
         "dynamic: 7-bit weights, exact on x86 CPUs without VNNI/AMX whose u8 x s8 kernels saturate 16-bit sums"))
     weight_symmetric: bool = Field(True, description="dynamic: symmetric weights (zero point 0 for s8, 128 for u8)")
-    block_size: BlockSize = Field(32, description="blockwise: block size (quantize.block_size sets it too)")
+    block_size: BlockSize = Field(32, description="blockwise: block size (written as quantize.block_size)")
     symmetric: bool = Field(True, description="blockwise: symmetric 8-bit weights")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(
         "blockwise: MatMulNBits compute type: 4 = int8 activations, 1/2/3 = fp32/fp16/bf16"))
@@ -99,7 +99,7 @@ class OrtInt4Options(OrtOptions):
     round-to-nearest +34.9 %; 4-bit lm_head alone costs ~15 % ppl, so it stays 8-bit by default)."""
     method: Literal["hqq", "rtn"] = Field("hqq", description=(
         "hqq: ORT's half-quadratic quantizer, float zero points; rtn: round to nearest, integer zero points"))
-    block_size: BlockSize = Field(32, description="weights per scale along the input dim (quantize.block_size sets it too)")
+    block_size: BlockSize = Field(32, description="weights per scale along the input dim (written as quantize.block_size)")
     lm_head_bits: Literal[4, 8] = Field(8, description="the untied lm_head as 8-bit blockwise, or 4-bit like the rest")
     symmetric: bool = Field(False, description="rtn: symmetric int4 (the 8-bit lm_head stays symmetric unless this is set)")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description="rtn: MatMulNBits compute type (4 = int8 activations)")

@@ -9,7 +9,7 @@ Algorithms (``algo``):
   matching ``options.blockwise`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
   after SmoothQuant (``smoothquant_alpha``, calibrated on ``calib_windows``) folded into the RMSNorm weights.
   Options and their defaults (with the measurements behind them) are declared in ``pipeline/recipe_options.py``.
-* ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options.block_size``, default 32).
+* ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options.block_size``: the recipe's ``quantize.block_size``, default 32).
 
 ``options`` is the algo's options model (:data:`OPTIONS`), validated once by the recipe: its defaults are the only
 ones (a dict is validated into it here, for callers without a recipe).

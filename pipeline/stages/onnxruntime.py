@@ -130,7 +130,7 @@ class OrtQuantize(Stage):
         if r.quantize.algo != "int4_wo" or info is None:
             return []
         from ..quant.configs import linear_input_widths
-        key = "quantize.block_size" if r.quantize.block_size is not None else "quantize.options.block_size"
+        key = "quantize.block_size"
         block = ort_options(r.quantize).block_size
         widths = {**linear_input_widths(info), "lm_head": info.hidden_size}
         bad = {k: w for k, w in widths.items() if w % block}

@@ -44,8 +44,10 @@ TARGET = register(Target(
                 for a, m in OPTIONS.items()},
     flow=(SourceStage, OrtExport, OrtQuantize, OrtBuildStage, OrtEvaluate, ValidateStage, OrtPackage),
     summary="ONNX Runtime (CPU, or CUDA with build.onnxruntime.provider: cuda)",
+    # one spelling per option (issue 25). The block size is quantize.block_size, as for tensorrt_llm (the options
+    # model's block_size is what the quantizer reads, filled from it). SmoothQuant's strength belongs to the
+    # options model, where null says "no smoothing", which a section-level alpha cannot say.
     section_options={"block_size": "block_size"},
-    # one spelling per option (issue 25): SmoothQuant's strength belongs to the options model, where null says
-    # "no smoothing", which a section-level alpha cannot say
+    moved_options={"block_size": "quantize.block_size"},
     moved_section_keys={"alpha": "quantize.options.smoothquant_alpha"},
 ))

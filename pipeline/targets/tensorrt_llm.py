@@ -65,5 +65,5 @@ TARGET = register(Target(
     thresholds=("simulated_ppl_gap_max",),     # the checkpoint's reference numerics vs the quantize stage's
     qat=True,
     # ModelOpt's torch quantizer reads SmoothQuant's strength from the quantize section
-    moved_options={"smoothquant_alpha": "quantize.alpha"},
+    moved_options={"smoothquant_alpha": "quantize.alpha", "block_size": "quantize.block_size"},
 ))

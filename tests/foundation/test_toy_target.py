@@ -232,3 +232,24 @@ def test_the_toy_stages_hardware_is_in_their_keys(toy):
     assert [p.name for p in plan] == ["make", "quantize", "package"]
     assert plan[0].components["hardware"] == "cpu:toy-cpu"
     assert plan[0].components["config"] == {"width": 7, "label": "hello"}     # the whole build.toy section
+
+
+def test_registry_errors_name_the_registered_targets(toy):
+    from pipeline.stages import flow_for
+    with pytest.raises(KeyError, match="unknown build.target 'nope' .targets: onnxruntime, tensorrt_llm, tensorrt, toy"):
+        flow_for("nope")
+    with pytest.raises(ValueError, match="must be an identifier"):
+        targets.register(targets.Target(name="to-y", section=ToyBuild, quantizers=TOY.quantizers, flow=TOY.flow))
+    with pytest.raises(ValueError, match="must include 'none'"):
+        targets.register(targets.Target(name="toy2", section=ToyBuild, quantizers={}, flow=TOY.flow))
+    assert targets.names()[-1] == "toy" and "toy_round" in targets.quantization_algos()
+
+
+def test_the_schema_imports_no_target_code_until_it_is_asked():
+    """recipe.py sits below the targets: importing it loads the registry only; the built-in targets (and the stages
+    they import) load the first time the registry is read."""
+    import subprocess
+    code = ("import sys, pipeline.recipe as r; before = 'pipeline.stages' in sys.modules; "
+            "r.resolve('smollm2-135m-int8'); print(before, 'pipeline.targets.onnxruntime' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]

@@ -85,10 +85,12 @@ class ExportSection(Section):
 
 
 # ---------------------------------------------------------------- quantize
-def _one_of(choices) -> str:
-    """'a', 'b' or 'c': how pydantic lists a Literal's choices."""
+def _not_one_of(choices) -> PydanticCustomError:
+    """The error pydantic gives a Literal, for choices the registry knows at run time: "Input should be 'a', 'b'
+    or 'c'" (so every message about a choice reads the same)."""
     q = [f"'{c}'" for c in choices]
-    return q[0] if len(q) == 1 else f"{', '.join(q[:-1])} or {q[-1]}"
+    return PydanticCustomError("literal_error", "Input should be {expected}",
+                               {"expected": q[0] if len(q) == 1 else f"{', '.join(q[:-1])} or {q[-1]}"})
 
 
 class DistillSection(Section):
@@ -112,17 +114,7 @@ class QatSection(Section):
     distill: DistillSection = Field(default_factory=DistillSection)
 
 
-
 class QuantizeSection(Section):
-    @field_validator("algo")
-    @classmethod
-    def _offered(cls, v):
-        algos = registry.quantization_algos()
-        if v not in algos:
-            raise PydanticCustomError("literal_error", "Input should be {expected}",
-                                      {"expected": _one_of(algos)})
-        return v
-
     method: Literal["ptq", "qat", "none"] = "ptq"
     algo: str = Field("none", description="the quantization algorithm: one the build target's quantizers offer "
                                           "(pipeline/targets)")
@@ -134,9 +126,18 @@ class QuantizeSection(Section):
         "blockwise / int4_wo: default 32, a power of two >= 16, its options model's block_size)"))
     kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="tensorrt_llm: quantized KV cache")
     options: dict[str, Any] = Field(default_factory=dict, description=(
-        "the quantizer's options: one schema per build.target and algo, pipeline/recipe_options.py"))
+        "the quantizer's options: one schema per build.target and algo (the target's quantizers, pipeline/targets; "
+        "the models: pipeline/recipe_options.py)"))
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     qat: QatSection = Field(default_factory=QatSection)
+
+    @field_validator("algo")
+    @classmethod
+    def _offered(cls, v):
+        algos = registry.quantization_algos()      # every registered target's; the target's own: quantize_problems
+        if v not in algos:
+            raise _not_one_of(algos)
+        return v
 
 
 # ---------------------------------------------------------------- build
@@ -152,8 +153,7 @@ class BuildSection(Section):
     def _registered(cls, v):
         names = registry.names()
         if v not in names:
-            raise PydanticCustomError("literal_error", "Input should be {expected}",
-                                      {"expected": _one_of(names)})
+            raise _not_one_of(names)
         return v
 
     @model_validator(mode="before")
@@ -167,9 +167,7 @@ class BuildSection(Section):
         errors += [InitErrorDetails(type="extra_forbidden", loc=(k,), input=data[k])
                    for k in data if k != "target" and k not in names]
         if isinstance(data.get("target"), str) and data["target"] not in names:
-            errors.append(InitErrorDetails(type=PydanticCustomError("literal_error", "Input should be {expected}",
-                                                                    {"expected": _one_of(names)}),
-                                           loc=("target",), input=data["target"]))
+            errors.append(InitErrorDetails(type=_not_one_of(names), loc=("target",), input=data["target"]))
         for t in registry.all_targets():
             given = data.get(t.name, {})
             if isinstance(given, t.section):

@@ -3,23 +3,25 @@
 A :class:`Target` declares its name, the model of its ``build.<name>`` recipe section, the quantizers it offers
 (``quantize.algo`` -> the options model ``quantize.options`` is validated against and handed to the quantizer),
 and its flow: the stage classes in order, each of which says the hardware it needs (``Stage.hardware``,
-pipeline/hardware.py). The recipe schema (pipeline/recipe.py), the flows (``pipeline.stages.flow_for``) and every
-message that lists targets ask this module; nothing else names a target.
+pipeline/hardware.py). The recipe schema (pipeline/recipe.py), the flows (``pipeline.stages.flow_for``) and the
+messages that list targets ask this module.
 
-This module imports no target code: the built-in targets (``pipeline/targets/<name>.py``) are imported the first
-time the registry is read, so the recipe schema can ask it without an import loop, and a plug-in (or a test)
-adds one with ``register(Target(...))``.
+This module imports no target code: the built-in targets (``pipeline/targets/<name>.py``) and the installed plug-ins
+(entry-point group ``forge.targets``) are imported the first time the registry is read, so the recipe schema can
+ask it without an import loop; a test adds one with ``register(Target(...))``.
 """
 
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 # the built-in targets, in the order their build sections are written (part of every recipe's resolved text)
 BUILTIN = ("onnxruntime", "tensorrt_llm", "tensorrt")
 DEFAULT = "onnxruntime"
+ENTRY_POINT_GROUP = "forge.targets"
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,20 @@ _loaded = False
 
 
 def _load_builtins() -> None:
+    """The built-in targets, then the plug-ins installed under the ``forge.targets`` entry-point group (a package
+    declares ``[project.entry-points."forge.targets"] name = "its_module"``; importing the module registers it)."""
     global _loaded
     if not _loaded:
         _loaded = True
         for name in BUILTIN:
             importlib.import_module(f"pipeline.targets.{name}")
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            try:
+                ep.load()
+            except Exception as e:      # a broken plug-in names itself rather than failing in forge's code
+                from ..errors import ForgeError
+                raise ForgeError(f"build-target plug-in '{ep.name}' (entry point {ENTRY_POINT_GROUP}: {ep.value}) "
+                                 f"failed to load: {type(e).__name__}: {e}; fix or uninstall it") from e
 
 
 def register(target: Target) -> Target:

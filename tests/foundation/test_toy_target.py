@@ -5,6 +5,7 @@ FORGE_HOME. Nothing outside this file knows it: that is the proof that a target 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -253,3 +254,35 @@ def test_the_schema_imports_no_target_code_until_it_is_asked():
             "r.resolve('smollm2-135m-int8'); print(before, 'pipeline.targets.onnxruntime' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "True"]
+
+
+class _EntryPoint:                                 # what importlib.metadata gives for an installed plug-in
+    def __init__(self, name, load):
+        self.name, self.value, self.load = name, f"toy_plugin:{name}", load
+
+
+def test_installed_plug_ins_register_through_entry_points(monkeypatch):
+    from pipeline.errors import ForgeError
+    from pipeline.targets import registry
+    groups = []
+
+    def plugin_load():
+        targets.register(dataclasses.replace(TOY, name="toy_plugin"))
+
+    def entry_points(group):
+        groups.append(group)
+        return [_EntryPoint("toy_plugin", plugin_load)]
+    monkeypatch.setattr(registry, "entry_points", entry_points)
+    monkeypatch.setattr(registry, "_loaded", False)
+    try:
+        assert "toy_plugin" in targets.names() and groups == ["forge.targets"]
+    finally:
+        targets.unregister("toy_plugin")
+
+    def broken():
+        raise ImportError("No module named 'toy_plugin'")
+    monkeypatch.setattr(registry, "entry_points", lambda group: [_EntryPoint("toy_broken", broken)])
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(ForgeError, match=r"build-target plug-in 'toy_broken' \(entry point forge.targets: "
+                                         r"toy_plugin:toy_broken\) failed to load: ImportError: .*fix or uninstall"):
+        targets.names()

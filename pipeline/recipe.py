@@ -14,9 +14,11 @@ from typing import Annotated, Any, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .errors import MAX_PROBLEMS_SHOWN, RecipeError
 from .hashing import sha256_json
+from .targets import registry
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = "smollm2-135m-int8"
@@ -83,6 +85,14 @@ class ExportSection(Section):
 
 
 # ---------------------------------------------------------------- quantize
+def _not_one_of(choices) -> PydanticCustomError:
+    """The error pydantic gives a Literal, for choices the registry knows at run time: "Input should be 'a', 'b'
+    or 'c'" (so every message about a choice reads the same)."""
+    q = [f"'{c}'" for c in choices]
+    return PydanticCustomError("literal_error", "Input should be {expected}",
+                               {"expected": q[0] if len(q) == 1 else f"{', '.join(q[:-1])} or {q[-1]}"})
+
+
 class DistillSection(Section):
     enabled: bool = False
     temperature: float = Field(2.0, gt=0, le=20)
@@ -104,99 +114,81 @@ class QatSection(Section):
     distill: DistillSection = Field(default_factory=DistillSection)
 
 
-QuantAlgo = Literal["none", "int8", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "fp8"]
-
-
 class QuantizeSection(Section):
     method: Literal["ptq", "qat", "none"] = "ptq"
-    algo: QuantAlgo = "none"
+    algo: str = Field("none", description="the quantization algorithm: one the build target's quantizers offer "
+                                          "(pipeline/targets)")
     alpha: Optional[float] = Field(None, ge=0, le=1, description=(
         "SmoothQuant migration strength (tensorrt_llm int8_sq: default 1.0, ModelOpt's; onnxruntime int8: "
         "quantize.options.smoothquant_alpha)"))
     block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
-        "int4 group size (tensorrt_llm: default 128 where it divides every width; onnxruntime: "
-        "quantize.options.block_size)"))
+        "weights per scale (tensorrt_llm int4: default 128 where it divides every width; onnxruntime int8 "
+        "blockwise / int4_wo: default 32, a power of two >= 16, its options model's block_size)"))
     kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="tensorrt_llm: quantized KV cache")
     options: dict[str, Any] = Field(default_factory=dict, description=(
-        "the quantizer's options: one schema per build.target and algo, pipeline/recipe_options.py"))
+        "the quantizer's options: one schema per build.target and algo (the target's quantizers, pipeline/targets; "
+        "the models: pipeline/recipe_options.py)"))
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
     qat: QatSection = Field(default_factory=QatSection)
 
+    @field_validator("algo")
+    @classmethod
+    def _offered(cls, v):
+        algos = registry.quantization_algos()      # every registered target's; the target's own: quantize_problems
+        if v not in algos:
+            raise _not_one_of(algos)
+        return v
+
 
 # ---------------------------------------------------------------- build
-class OrtBuild(Section):
-    opt_level: Literal["disable", "basic", "extended", "all"] = "extended"
-    intra_op_threads: int = Field(0, ge=0, le=MAX_THREADS, description="0 = ONNX Runtime's default (all cores)")
-    provider: Literal["cpu", "cuda"] = Field(
-        "cpu", description="execution provider the engine is built, validated and served with: cpu, or cuda "
-                           "(onnxruntime-gpu's CUDAExecutionProvider; KV cache on the GPU through IO binding)")
-    precision: Literal["fp32", "fp16"] = Field(
-        "fp32", description="fp16: the graph converted with ONNX Runtime's float16 tool at build time (norm "
-                            "statistics kept fp32, logits output fp32); needs provider: cuda")
-    cuda_graph: bool = Field(False, description="decode steps replayed from a captured CUDA graph (ONNX Runtime's "
-                                                "enable_cuda_graph, fixed-shape bound buffers); needs provider: cuda")
-
-    def build_config(self) -> dict:
-        """What the build stage's output depends on: the CPU defaults leave the CPU recipes' keys as they were
-        before the provider existed; cuda_graph is a run-time choice (evaluate, serve), not part of the graph."""
-        d = self.model_dump(exclude={"cuda_graph"})
-        if self.provider == "cpu" and self.precision == "fp32":
-            d.pop("provider"), d.pop("precision")
-        return d
-
-
-class TrtllmBuild(Section):
-    dtype: Literal["float16", "bfloat16"] = "float16"
-    tp: int = Field(1, ge=1, le=MAX_GPUS)
-    pp: int = Field(1, ge=1, le=MAX_GPUS)
-    gpu_sm: Optional[int] = Field(None, ge=30, le=200,
-                                  description="compute capability the engine targets, e.g. 90; detected when a GPU is present")
-    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH)
-    max_input_len: int = Field(1024, ge=1, le=MAX_SEQ_LEN)
-    max_seq_len: int = Field(2048, ge=1, le=MAX_SEQ_LEN)
-    max_num_tokens: int = Field(8192, ge=1, le=2**20)
-    max_beam_width: int = Field(1, ge=1, le=64)
-    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
-    tokens_per_block: int = Field(32, ge=1, le=1024)
-    gemm_plugin: str = "auto"
-    gpt_attention_plugin: str = "auto"
-    context_fmha: bool = True
-    use_paged_context_fmha: bool = True
-    remove_input_padding: bool = True
-    use_fused_mlp: bool = True
-    reduce_fusion: bool = False
-    user_buffer: bool = False
-    multiple_profiles: bool = False
-    workers: int = Field(1, ge=1, le=MAX_GPUS)
-    gather_context_logits: bool = Field(True, description="engine returns context logits: needed by validate's perplexity/top-1 "
-                                        "(costs max_num_tokens x vocab x 2 bytes of GPU memory with logits_dtype float16, "
-                                        "x 4 with float32); TensorRT-LLM turns KV-cache reuse off for such an engine")
-    logits_dtype: Literal["float16", "float32"] = Field(
-        "float16", description="trtllm-build --logits_dtype, always passed. The lm_head GEMM runs in the model dtype and "
-                               "the engine (strongly typed) casts its output to logits_dtype, so float32 stores the same "
-                               "rounded values in twice the memory")
-    extra_args: list[str] = Field(default_factory=list)
-
-
-class TensorrtBuild(Section):
-    precision: Literal["fp32", "fp16"] = Field("fp16", description=(
-        "what the unquantized layers run in; the quantize stage writes it into the graph (quantize.algo int8/fp8 "
-        "adds QDQ around the weight MatMuls) and TensorRT builds that graph strongly typed. No bf16: the graph "
-        "must also run on ONNX Runtime's CPU provider (evaluate_qdq), which has no bf16 MatMul"))
-    gpu_sm: Optional[int] = Field(None, ge=30, le=200, description=(
-        "compute capability the engine is for, e.g. 89 or 90; detected when a GPU is present (needed to plan fp8 "
-        "on a machine without one)"))
-    workspace_gib: float = Field(4.0, gt=0, le=1024, description="TensorRT builder workspace (memory pool limit)")
-    builder_optimization_level: Optional[int] = Field(None, ge=0, le=5, description="TensorRT's default when null")
-    max_batch_size: int = Field(4, ge=1, le=MAX_BATCH, description="optimisation profiles: largest batch")
-    max_seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="optimisation profiles: largest past + new tokens")
-
-
 class BuildSection(Section):
-    target: Literal["onnxruntime", "tensorrt_llm", "tensorrt"] = "onnxruntime"
-    onnxruntime: OrtBuild = Field(default_factory=OrtBuild)
-    tensorrt_llm: TrtllmBuild = Field(default_factory=TrtllmBuild)
-    tensorrt: TensorrtBuild = Field(default_factory=TensorrtBuild)
+    """``target`` and one section per registered target (pipeline/targets: each declares its ``build.<name>``
+    model); every target's section is present, with its defaults, whichever target the recipe builds."""
+    model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False, strict=True)
+    target: str = Field(registry.DEFAULT, description="the build target (pipeline/targets): " + ", ".join(
+        registry.BUILTIN) + " or a registered plug-in")
+
+    @field_validator("target")
+    @classmethod
+    def _registered(cls, v):
+        names = registry.names()
+        if v not in names:
+            raise _not_one_of(names)
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sections(cls, data):
+        """Each registered target's section validated by its model; every problem of the build section at once."""
+        if not isinstance(data, dict):
+            return data
+        data, errors = dict(data), []
+        names = registry.names()
+        errors += [InitErrorDetails(type="extra_forbidden", loc=(k,), input=data[k])
+                   for k in data if k != "target" and k not in names]
+        if isinstance(data.get("target"), str) and data["target"] not in names:
+            errors.append(InitErrorDetails(type=_not_one_of(names), loc=("target",), input=data["target"]))
+        for t in registry.all_targets():
+            given = data.get(t.name, {})
+            if isinstance(given, t.section):
+                continue
+            try:
+                data[t.name] = t.section.model_validate(given)
+            except ValidationError as e:      # located under build.<name> (a validator's own errors lose the key)
+                errors += [InitErrorDetails(type=x["type"], loc=(t.name, *x["loc"]), input=x["input"],
+                                            ctx=x.get("ctx", {})) for x in e.errors()]
+        if errors:
+            raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
+
+    def __setattr__(self, name, value):       # a target's section assigned whole is validated like the rest
+        if name != "target" and name in registry.names() and not isinstance(value, registry.get(name).section):
+            value = registry.get(name).section.model_validate(value)
+        super().__setattr__(name, value)
+
+    def section(self, name: str) -> BaseModel:
+        """The ``build.<name>`` section of a registered target."""
+        return getattr(self, name)
 
 
 # ---------------------------------------------------------------- validate
@@ -715,7 +707,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 # ---------------------------------------------------------------- messages
 def _allowed_keys(model_cls: type[BaseModel]) -> list[str]:
-    return [f.alias or n for n, f in model_cls.model_fields.items()]
+    keys = [f.alias or n for n, f in model_cls.model_fields.items()]
+    return keys + list(registry.names()) if model_cls is BuildSection else keys
 
 
 def _model_at(loc: tuple, root: type[BaseModel] = None) -> type[BaseModel] | None:
@@ -725,6 +718,9 @@ def _model_at(loc: tuple, root: type[BaseModel] = None) -> type[BaseModel] | Non
         if not (isinstance(cls, type) and issubclass(cls, BaseModel)):
             return None
         fields = {(f.alias or n): f for n, f in cls.model_fields.items()}
+        if cls is BuildSection and part in registry.names():
+            cls = registry.get(part).section        # build.<target>: the target's own section model
+            continue
         if isinstance(part, int) or part not in fields:
             # list element: the model is the list's item type
             continue
@@ -835,89 +831,81 @@ def foreign_build_problems(path: Path, overrides: list[str], target: str) -> lis
     own = apply_overrides(_read_yaml(path), [o for o in overrides if o.split("=", 1)[0].strip().startswith("build.")])
     build = own.get("build") if isinstance(own.get("build"), dict) else {}
     defaults = BuildSection().model_dump(mode="json", by_alias=True)
+    targets = registry.names()
     # a value equal to the default sets nothing: `forge recipes resolve` writes every section, and reads back
     sections = {s for s, v in build.items() if s in defaults and isinstance(v, dict)
                 and any(defaults[s].get(k, object()) != x for k, x in v.items())}
     where = f"{path} (or --set)" if overrides else str(path)
     return [f"{where}: build.{s}: read only by build.target '{s}'; this recipe builds build.target '{target}', "
             f"which ignores it: remove build.{s} (or set build.target: {s})"
-            for s in sorted(sections) if s in TARGET_ALGOS and s != target]
+            for s in sorted(sections) if s in targets and s != target]
 
 
 # ---------------------------------------------------------------- rules across fields (no model facts)
-TARGET_ALGOS = {
-    "onnxruntime": {"none", "int8", "int4_wo"},
-    "tensorrt_llm": {"none", "int8_sq", "int8_wo", "int4_wo", "int4_awq", "fp8"},
-    "tensorrt": {"none", "int8", "fp8"},
-}
-KV_CACHE_TARGETS = {"tensorrt_llm"}
-
-
 def quantize_problems(q: dict, target: str) -> list[str]:
     """The quantize section's rules for ``target``, each message starting with its key: algo and method fit the
     target, alpha / block_size only where the quantizer reads them, QAT warm-up inside the run, and
     ``quantize.options`` against the quantizer's options schema (pipeline/recipe_options.py). ``q`` is the
     section as a dict (defaults filled in); values of the wrong type are left to the schema."""
-    from .recipe_options import MOVED_OPTIONS, MOVED_SECTION_KEYS, ORT_SECTION_OPTION, QUANTIZERS, quantizer
+    t = registry.get(target)
     p = []
     method, algo, kv = q.get("method"), q.get("algo"), q.get("kv_cache", "none")
-    allowed = TARGET_ALGOS[target]
+    allowed = t.algos
     if isinstance(algo, str) and algo not in allowed:
         hint = "; 'int8' is the onnxruntime target's format, use int8_sq or int8_wo here" \
             if target == "tensorrt_llm" and algo == "int8" else ""
         p.append(f"quantize.algo: '{algo}' is not available for build.target '{target}' "
                  f"(allowed: {', '.join(sorted(allowed))}){hint}")
-    if kv != "none" and target not in KV_CACHE_TARGETS:
-        p.append(f"quantize.kv_cache: '{kv}' is a tensorrt_llm setting (a quantized KV cache); build.target "
-                 f"'{target}' keeps it in the model dtype: remove it")
-    quantizes = algo != "none" or (kv != "none" and target in KV_CACHE_TARGETS)
+    kv_targets = [x.name for x in registry.all_targets() if x.kv_cache]
+    if kv != "none" and not t.kv_cache:
+        p.append(f"quantize.kv_cache: '{kv}' is a {' / '.join(kv_targets)} setting (a quantized KV cache); "
+                 f"build.target '{target}' keeps it in the model dtype: remove it")
+    quantizes = algo != "none" or (kv != "none" and t.kv_cache)
     if method == "none" and algo != "none":
         p.append(f"quantize.method is 'none' but quantize.algo is '{algo}': set quantize.method to ptq or qat")
     if method in ("ptq", "qat") and not quantizes:
-        what = "pick an algo (or, for tensorrt_llm, a kv_cache)" if target in KV_CACHE_TARGETS else "pick an algo"
+        what = f"pick an algo (or, for {target}, a kv_cache)" if t.kv_cache else "pick an algo"
         p.append(f"quantize.method is '{method}' but quantize.algo is 'none' (nothing is quantized): {what} or set "
                  "method: none")
-    if method == "qat" and target != "tensorrt_llm":
-        p.append(f"quantize.method 'qat' needs build.target 'tensorrt_llm' (ModelOpt fake-quant models do not "
+    if method == "qat" and not t.qat:
+        qat = " / ".join(f"'{x.name}'" for x in registry.all_targets() if x.qat)
+        p.append(f"quantize.method 'qat' needs build.target {qat} (ModelOpt fake-quant models do not "
                  f"export to ONNX); use method: ptq for '{target}'")
-    qz = quantizer(target, algo) if isinstance(algo, str) else None
+    qz = t.quantizers.get(algo) if isinstance(algo, str) else None
     for key in ("alpha", "block_size"):
-        moved = MOVED_SECTION_KEYS.get((target, key))
+        moved = t.moved_section_keys.get(key)
         if q.get(key) is not None and moved:
             opt = moved.rsplit(".", 1)[1]
             if qz is not None and opt in qz.options.model_fields:
                 p.append(f"quantize.{key}: build.target '{target}' reads this as {moved} (one spelling per option); "
                          f"did you mean '{moved}'?")
             else:
-                users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if t == target
-                               and opt in z.options.model_fields)
+                users = sorted(f"{target} {a}" for a, z in t.quantizers.items() if opt in z.options.model_fields)
                 p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
                          f"{', '.join(users)}, as {moved}); remove it")
         elif q.get(key) is not None and qz is not None and key not in qz.section_keys:
-            users = sorted(f"{t} {a}" for (t, a), z in QUANTIZERS.items() if key in z.section_keys and t == target)
+            users = sorted(f"{target} {a}" for a, z in t.quantizers.items() if key in z.section_keys)
             p.append(f"quantize.{key}: not read by build.target '{target}' with algo '{algo}' (read by: "
                      f"{', '.join(users) or 'no algo of this target'}); remove it")
     if method == "qat" and isinstance(q.get("qat"), dict):
-        t = q["qat"]
-        ints = [t.get(k) for k in ("epochs", "samples", "batch", "warmup_steps")]
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and t["batch"] > 0:
-            steps = t["epochs"] * -(-t["samples"] // t["batch"])
-            if not 0 <= t["warmup_steps"] < steps:
+        qat = q["qat"]
+        ints = [qat.get(k) for k in ("epochs", "samples", "batch", "warmup_steps")]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in ints) and qat["batch"] > 0:
+            steps = qat["epochs"] * -(-qat["samples"] // qat["batch"])
+            if not 0 <= qat["warmup_steps"] < steps:
                 p.append(f"quantize.qat.warmup_steps: must be in [0, {steps}) (the run has {steps} steps), "
-                         f"got {t['warmup_steps']!r}")
+                         f"got {qat['warmup_steps']!r}")
     if qz is not None and isinstance(q.get("options"), dict):
         opts, renamed = dict(q["options"]), {}
-        if target in ("onnxruntime", "tensorrt"):
-            for key, opt in ORT_SECTION_OPTION.items():
-                if key in qz.section_keys and q.get(key) is not None:
-                    if opt in opts:
-                        p.append(f"quantize.{key}: quantize.options.{opt} says the same; set one of them")
-                    opts[opt] = q[key]
-                    renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
-        for opt in [o for o in opts if (target, o) in MOVED_OPTIONS]:
-            p.append(f"quantize.options.{opt}: build.target '{target}' reads this as {MOVED_OPTIONS[target, opt]} "
-                     f"(one spelling per option); did you mean '{MOVED_OPTIONS[target, opt]}'?")
+        for opt in [o for o in opts if o in t.moved_options]:
+            p.append(f"quantize.options.{opt}: build.target '{target}' reads this as {t.moved_options[opt]} "
+                     f"(one spelling per option); did you mean '{t.moved_options[opt]}'?")
             del opts[opt]
+        # a section key that stands for an option is validated by the option's model, named as the recipe wrote it
+        for key, opt in t.section_options.items():
+            if key in qz.section_keys and q.get(key) is not None:
+                opts[opt] = q[key]
+                renamed[f"quantize.options.{opt}:"] = f"quantize.{key}:"
         for m in section_problems(qz.options, opts, ("quantize", "options")):
             head, _, rest = m.partition(" ")
             p.append(renamed.get(head, head) + " " + rest)
@@ -929,10 +917,12 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     target = recipe.build.target
     p = [f"{source}: {m}" for m in quantize_problems(recipe.quantize.model_dump(), target)]
     t = recipe.validate_.thresholds
-    for key, targets in THRESHOLD_TARGETS.items():
-        if getattr(t, key) is not None and target not in targets:
+    own = registry.get(target)
+    for key in sorted({k for x in registry.all_targets() for k in x.thresholds} - set(own.thresholds)):
+        if getattr(t, key) is not None:
+            producers = sorted(x.name for x in registry.all_targets() if key in x.thresholds)
             p.append(f"{source}: validate.thresholds.{key} gates a metric only build.target "
-                     f"{' / '.join(sorted(targets))} produces; remove it for '{target}'")
+                     f"{' / '.join(producers)} produces; remove it for '{target}'")
     b = recipe.build.onnxruntime
     if b.provider != "cuda":
         for key, bad in (("precision", b.precision == "fp16"), ("cuda_graph", b.cuda_graph)):
@@ -942,15 +932,10 @@ def semantic_problems(recipe: Recipe, source: str) -> list[str]:
     if b.provider == "cuda" and target != "onnxruntime":
         p.append(f"{source}: build.onnxruntime.provider = 'cuda' applies to build.target 'onnxruntime' only; "
                  f"remove it for '{target}'")
-    if target == "tensorrt" and recipe.export.attention == "gqa":
-        p.append(f"{source}: export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
-                 "use export.attention: standard (or auto) for build.target 'tensorrt'")
+    if own.checks is not None:
+        p += [f"{source}: {m}" for m in own.checks(recipe)]
     p += data_set_problems(recipe, source)
     return p
-
-
-# thresholds whose metric only some targets produce (the others' evaluate stages produce every other gate's)
-THRESHOLD_TARGETS = {"simulated_ppl_gap_max": {"tensorrt_llm"}}
 
 
 def data_set_problems(recipe: Recipe, source: str) -> list[str]:
@@ -972,8 +957,6 @@ def data_set_problems(recipe: Recipe, source: str) -> list[str]:
 
 
 def export_attention(recipe: Recipe) -> str:
-    """export.attention with ``auto`` resolved: gqa for onnxruntime, standard for tensorrt."""
+    """export.attention with ``auto`` resolved: what the target reads (gqa for onnxruntime, standard for tensorrt)."""
     a = recipe.export.attention
-    if a != "auto":
-        return a
-    return "standard" if recipe.build.target == "tensorrt" else "gqa"
+    return registry.get(recipe.build.target).onnx_attention if a == "auto" else a

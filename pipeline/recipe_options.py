@@ -1,7 +1,8 @@
-"""The schema of ``quantize.options``: one model per (build.target, quantize.algo), each option declared once
-with its type, default, bounds and what it does. The recipe validates a recipe's options against the model of
-its target and algo (a typo is an error naming the key, with did-you-mean); the quantizers take their defaults
-from here (``pipeline/ort/quantize.py``, ``pipeline/quant/configs.py``).
+"""The schema of ``quantize.options``: the options models of the quantizers, each option declared once with its
+type, default, bounds and what it does. Which model a (build.target, quantize.algo) reads is the target's
+declaration (pipeline/targets/<target>.py, ``quantizers``); the recipe validates a recipe's options against it (a
+typo is an error naming the key, with did-you-mean) and the quantizers receive the validated model (their defaults
+are these: ``pipeline/ort/quantize.py``, ``pipeline/tensorrt/quantize.py``).
 
 To add an option: declare it on the model of the quantizer that reads it (or on a shared base), with a default
 that reproduces today's behaviour; the cache key already includes ``quantize.options`` as written.
@@ -9,7 +10,6 @@ that reproduces today's behaviour; the cache key already includes ``quantize.opt
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
@@ -88,7 +88,7 @@ class OrtInt8Options(OrtOptions):
     reduce_range: bool = Field(True, description=(
         "dynamic: 7-bit weights, exact on x86 CPUs without VNNI/AMX whose u8 x s8 kernels saturate 16-bit sums"))
     weight_symmetric: bool = Field(True, description="dynamic: symmetric weights (zero point 0 for s8, 128 for u8)")
-    block_size: BlockSize = Field(32, description="blockwise: block size (quantize.block_size sets it too)")
+    block_size: BlockSize = Field(32, description="blockwise: block size (written as quantize.block_size)")
     symmetric: bool = Field(True, description="blockwise: symmetric 8-bit weights")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(
         "blockwise: MatMulNBits compute type: 4 = int8 activations, 1/2/3 = fp32/fp16/bf16"))
@@ -99,7 +99,7 @@ class OrtInt4Options(OrtOptions):
     round-to-nearest +34.9 %; 4-bit lm_head alone costs ~15 % ppl, so it stays 8-bit by default)."""
     method: Literal["hqq", "rtn"] = Field("hqq", description=(
         "hqq: ORT's half-quadratic quantizer, float zero points; rtn: round to nearest, integer zero points"))
-    block_size: BlockSize = Field(32, description="weights per scale along the input dim (quantize.block_size sets it too)")
+    block_size: BlockSize = Field(32, description="weights per scale along the input dim (written as quantize.block_size)")
     lm_head_bits: Literal[4, 8] = Field(8, description="the untied lm_head as 8-bit blockwise, or 4-bit like the rest")
     symmetric: bool = Field(False, description="rtn: symmetric int4 (the 8-bit lm_head stays symmetric unless this is set)")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description="rtn: MatMulNBits compute type (4 = int8 activations)")
@@ -126,35 +126,3 @@ class TensorrtFp8Options(TensorrtOptions):
 
 class ModeloptOptions(Options):
     """tensorrt_llm (ModelOpt): ``exclude`` patterns match module names; their quantizers stay off."""
-
-
-@dataclass(frozen=True)
-class Quantizer:
-    """What one (target, algo) reads: its options model, and the quantize-section keys it uses."""
-    options: type[BaseModel]
-    section_keys: tuple[str, ...] = ()     # quantize.alpha / quantize.block_size
-
-
-_MODELOPT = {"none": Quantizer(ModeloptOptions), "int8_sq": Quantizer(ModeloptOptions, ("alpha",)),
-             "int8_wo": Quantizer(ModeloptOptions), "int4_wo": Quantizer(ModeloptOptions, ("block_size",)),
-             "int4_awq": Quantizer(ModeloptOptions, ("block_size",)), "fp8": Quantizer(ModeloptOptions)}
-_ORT = {"none": Quantizer(NoOptions), "int8": Quantizer(OrtInt8Options, ("block_size",)),
-        "int4_wo": Quantizer(OrtInt4Options, ("block_size",))}
-QUANTIZERS: dict[tuple[str, str], Quantizer] = {
-    **{("onnxruntime", a): q for a, q in _ORT.items()},
-    **{("tensorrt_llm", a): q for a, q in _MODELOPT.items()},
-    ("tensorrt", "none"): Quantizer(NoOptions), ("tensorrt", "int8"): Quantizer(TensorrtInt8Options),
-    ("tensorrt", "fp8"): Quantizer(TensorrtFp8Options),
-}
-# a quantize-section key -> the option it stands for in ONNX Runtime's quantizers
-ORT_SECTION_OPTION = {"block_size": "block_size"}
-# One spelling per option (issue 25): SmoothQuant's strength is quantize.alpha where ModelOpt's torch quantizer
-# reads it (tensorrt_llm) and quantize.options.smoothquant_alpha where the quantizer's options model owns it
-# (null there turns smoothing off, which a section-level alpha cannot say). The other spelling is refused.
-MOVED_SECTION_KEYS = {("onnxruntime", "alpha"): "quantize.options.smoothquant_alpha",
-                      ("tensorrt", "alpha"): "quantize.options.smoothquant_alpha"}
-MOVED_OPTIONS = {("tensorrt_llm", "smoothquant_alpha"): "quantize.alpha"}
-
-
-def quantizer(target: str, algo: str) -> Quantizer | None:
-    return QUANTIZERS.get((target, algo))

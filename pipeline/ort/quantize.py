@@ -2,14 +2,17 @@
 
 Algorithms (``algo``):
 
-* ``int8``    -- 8-bit weights for every weight MatMul and the embedding; ``options["method"]`` picks
+* ``int8``    -- 8-bit weights for every weight MatMul and the embedding; ``options.method`` picks
   ``dynamic`` (per-channel 8-bit weights, per-tensor uint8 activations computed at run time, which ORT's CPU kernels
   run as DynamicQuantizeMatMul / MatMulInteger; weights 7-bit s8 by default, exact on every x86 ISA), ``blockwise`` (MatMulNBits 8-bit, block 32, accuracy_level 4:
   activations quantized per token and block at run time) or ``mixed`` (default: ``blockwise`` for the MatMuls
-  matching ``options["blockwise"]`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
+  matching ``options.blockwise`` -- the outlier-heavy down_proj inputs and lm_head -- ``dynamic`` elsewhere),
   after SmoothQuant (``smoothquant_alpha``, calibrated on ``calib_windows``) folded into the RMSNorm weights.
   Options and their defaults (with the measurements behind them) are declared in ``pipeline/recipe_options.py``.
-* ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options["block_size"]``, default 32).
+* ``int4_wo`` -- weight-only INT4 through ORT's ``MatMulNBits`` (block size ``options.block_size``: the recipe's ``quantize.block_size``, default 32).
+
+``options`` is the algo's options model (:data:`OPTIONS`), validated once by the recipe: its defaults are the only
+ones (a dict is validated into it here, for callers without a recipe).
 * ``none``    -- the FP32 graph copied unchanged.
 
 Graph preparation (the FP32 export ties ``embed_tokens`` and ``lm_head``): the embedding ``Gather`` gets its own
@@ -36,7 +39,7 @@ import numpy as np
 
 from pipeline.errors import ForgeError
 from pipeline.progress import progress_bar
-from pipeline.recipe_options import OrtInt4Options, OrtInt8Options
+from pipeline.recipe_options import NoOptions, OrtInt4Options, OrtInt8Options
 
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 
@@ -46,11 +49,11 @@ logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 __all__ = ["quantize_onnx", "ALGOS", "activation_stats", "isa_accuracy_risk", "dynamic_int8_weights", "int8_dynamic",
            "INT8_DEFAULTS", "batch_invariant"]
 
-ALGOS = ("none", "int8", "int4_wo")
-# the declared defaults of each algo's options (an option absent from ``options`` takes these); why they are what
-# they are, measured: pipeline/recipe_options.py
+# the algos this quantizer implements -> the model of their options (pipeline/recipe_options.py: each option's
+# default and the measurements behind it); the onnxruntime target offers exactly these (pipeline/targets)
+OPTIONS = {"none": NoOptions, "int8": OrtInt8Options, "int4_wo": OrtInt4Options}
+ALGOS = tuple(OPTIONS)
 INT8 = OrtInt8Options()
-INT4 = OrtInt4Options()
 INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only", "weight_type",
                                          "reduce_range", "per_channel", "weight_symmetric"})
 STATS_FILE = "quant_stats.json"
@@ -338,37 +341,54 @@ def _weight_stats(model, nodes: list[tuple[Any, str]]) -> dict[str, dict]:
     return out
 
 
-def int8_dynamic(model, out_dir: Path, options: dict | None = None, excluded: list[str] | tuple = ()) -> dict:
+def typed_options(algo: str, options=None):
+    """``options`` as the model of ``algo`` (:data:`OPTIONS`): a model is checked to be the right one, a dict (or
+    None) validated into it; a problem is a ForgeError naming the recipe key."""
+    from pydantic import BaseModel, ValidationError
+
+    if algo not in OPTIONS:
+        raise ForgeError(f"quantize.algo {algo!r} is not supported by the onnxruntime target; use one of {ALGOS}")
+    model = OPTIONS[algo]
+    if isinstance(options, BaseModel):
+        if not isinstance(options, model):
+            raise TypeError(f"algo {algo}: options must be {model.__name__}, got {type(options).__name__}")
+        return options
+    try:
+        return model.model_validate(dict(options or {}))
+    except ValidationError as e:
+        raise ForgeError("; ".join(f"quantize.options.{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                   for err in e.errors())) from None
+
+
+def int8_dynamic(model, out_dir: Path, options: OrtInt8Options | dict | None = None,
+                 excluded: list[str] | tuple = ()) -> dict:
     """Dynamic INT8 for every weight MatMul of ``model`` not in ``excluded`` (ORT's ``quantize_dynamic``): weights
     per output channel, activations quantized to uint8 per tensor at run time (DynamicQuantizeMatMul /
-    MatMulIntegerToFloat). ``options`` over ``INT8_DEFAULTS``: ``weight_type`` (uint8 | int8), ``reduce_range``,
-    ``per_channel``, ``weight_symmetric``. Writes ``out_dir/model.onnx``; returns what ran."""
+    MatMulIntegerToFloat). Reads ``weight_type`` (uint8 | int8), ``reduce_range``, ``per_channel`` and
+    ``weight_symmetric`` of ``options``. Writes ``out_dir/model.onnx``; returns what ran."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    opts = {**INT8_DEFAULTS, **(options or {})}
-    wtype, per_channel, sym = opts["weight_type"], bool(opts["per_channel"]), bool(opts["weight_symmetric"])
+    o = typed_options("int8", options)
     with tempfile.TemporaryDirectory(prefix="forge-q-") as td:
         src = _save(model, Path(td))
         quantize_dynamic(str(src), str(Path(out_dir) / MODEL_FILE), op_types_to_quantize=["MatMul"],
-                         per_channel=per_channel, reduce_range=bool(opts["reduce_range"]),
-                         weight_type=QuantType.QInt8 if wtype == "int8" else QuantType.QUInt8,
+                         per_channel=o.per_channel, reduce_range=o.reduce_range,
+                         weight_type=QuantType.QInt8 if o.weight_type == "int8" else QuantType.QUInt8,
                          nodes_to_exclude=list(excluded), use_external_data_format=True,
-                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": sym})
-    weights = _dynamic_weights(opts)
+                         extra_options={"MatMulConstBOnly": True, "WeightSymmetric": o.weight_symmetric})
+    weights, per_channel, sym = _dynamic_weights(o.model_dump()), o.per_channel, o.weight_symmetric
     return {"method": "dynamic", "weights": f"{weights} {'per-channel' if per_channel else 'per-tensor'} "
                                             f"{'symmetric' if sym else 'asymmetric'}",
             "activations": "uint8 per-tensor, computed at run time", "dynamic_weights": weights}
 
 
-def _nbits(model, out_dir: Path, options: dict, excluded: list[str], *, bits: int, sym_default: bool) -> dict:
+def _nbits(model, out_dir: Path, excluded: list[str], *, bits: int, block: int, sym: bool, acc: int,
+           include: list[str] | None = None) -> dict:
+    """MatMulNBits (``bits``-bit blockwise weights) for the weight MatMuls of ``model`` (``include``: only these)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    block = int(options.get("block_size", INT8.block_size))
-    sym = bool(options.get("symmetric", sym_default))
-    acc = int(options.get("accuracy_level", INT8.accuracy_level))
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=sym, accuracy_level=acc,
-                             nodes_to_exclude=excluded, nodes_to_include=options.get("nodes_to_include"),
-                             op_types_to_quantize=("MatMul",))
+                             nodes_to_exclude=excluded, nodes_to_include=include, op_types_to_quantize=("MatMul",))
     q.process()
     _save(q.model.model, out_dir)
     # accuracy_level 4 = MLAS int8 compute: activations quantized to int8 per row and block at run time
@@ -378,17 +398,16 @@ def _nbits(model, out_dir: Path, options: dict, excluded: list[str], *, bits: in
             "activations": acts, "accuracy_level": acc}
 
 
-def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str], lm_head: list[str]) -> dict:
+def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_head: list[str]) -> dict:
     """Weight-only INT4 (MatMulNBits). ``options.method``: ``hqq`` (default; ORT's half-quadratic quantizer, float
     zero points) or ``rtn`` (round-to-nearest, integer zero point). The untied lm_head stays 8-bit blockwise
     (``options.lm_head_bits``: 8 or 4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
     from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
-    method = options.get("method", INT4.method)
-    block = int(options.get("block_size", INT4.block_size))
-    lm8 = [n for n in lm_head if n not in excluded] if int(options.get("lm_head_bits", INT4.lm_head_bits)) == 8 else []
+    method, block = o.method, o.block_size
+    lm8 = [n for n in lm_head if n not in excluded] if o.lm_head_bits == 8 else []
     if method == "rtn":
-        info = _nbits(model, out_dir, options, excluded + lm8, bits=4, sym_default=False)
+        info = _nbits(model, out_dir, excluded + lm8, bits=4, block=block, sym=o.symmetric, acc=o.accuracy_level)
     elif method == "hqq":
         q = MatMulNBitsQuantizer(model, algo_config=HQQWeightOnlyQuantConfig(block_size=block, bits=4),
                                  nodes_to_exclude=excluded + lm8, op_types_to_quantize=("MatMul",))
@@ -401,21 +420,21 @@ def _int4_wo(model, out_dir: Path, options: dict, excluded: list[str], lm_head: 
     if lm8:
         import onnx
         m = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
-        _nbits(m, out_dir, {**options, "nodes_to_include": lm8}, excluded, bits=8, sym_default=True)
+        # symmetric unless options.symmetric is set (its default, False, is int4 rtn's)
+        sym = o.symmetric if "symmetric" in o.model_fields_set else True
+        _nbits(m, out_dir, excluded, bits=8, block=block, sym=sym, acc=o.accuracy_level, include=lm8)
         info["lm_head"] = "int8 blockwise (MatMulNBits 8-bit)"
     return info
 
 
 def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib_windows=None,
-                  options: dict | None = None) -> dict:
+                  options=None) -> dict:
     """Quantize the FP32 forge ONNX model in ``fp32_dir`` into ``out_dir``; returns metrics + what ran.
 
-    ``options``: as validated by the recipe; each one's meaning and default is declared in
-    ``pipeline/recipe_options.py`` (``OrtInt8Options``, ``OrtInt4Options``)."""
+    ``options``: the options model of ``algo`` (:data:`OPTIONS`; the recipe hands it over validated), or a dict
+    validated into it; each option's meaning and default is declared in ``pipeline/recipe_options.py``."""
     fp32_dir, out_dir = Path(fp32_dir), Path(out_dir)
-    options = dict(options or {})
-    if algo not in ALGOS:
-        raise ForgeError(f"quantize.algo {algo!r} is not supported by the onnxruntime target; use one of {ALGOS}")
+    o = typed_options(algo, options)
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     meta = json.loads((fp32_dir / META_FILE).read_text())
@@ -430,17 +449,17 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         _prune_unused_initializers(model)
         stats["untied"] = untied
         nodes = weight_matmuls(model)
-        excluded = [n.name for n, _ in nodes if _matches(n, list(options.get("exclude", [])))]
+        excluded = [n.name for n, _ in nodes if _matches(n, list(o.exclude))]
         if calib_windows is not None:
             acts = sorted({n.input[0] for n, _ in nodes})
-            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=int(options.get("threads", INT8.threads)))
+            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=o.threads)
             consumers = {}
             for n, _ in nodes:
                 consumers.setdefault(n.input[0], []).append(module_name(n))
             stats["activations"] = {t: {"consumers": consumers[t], "min": s["min"], "max": s["max"],
                                         **_summarise_channels(s["channel_absmax"])} for t, s in act.items()}
-        alpha = options.get("smoothquant_alpha", INT8_DEFAULTS["smoothquant_alpha"] if algo == "int8" else None)
-        if "smoothquant_alpha" not in options and calib_windows is None:
+        alpha = o.smoothquant_alpha if algo == "int8" else None
+        if "smoothquant_alpha" not in o.model_fields_set and calib_windows is None:
             alpha = None  # default smoothing needs calibration; without data the default is plain int8
             stats["smoothquant"] = "skipped: no calibration windows"
         if alpha is not None and algo == "int8":
@@ -448,41 +467,41 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                 raise ForgeError("quantize.options.smoothquant_alpha needs calibration data "
                                  "(quantize.calibration); set it or drop smoothquant_alpha")
             stats["smoothquant"] = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()},
-                                               float(alpha), only=options.get("smoothquant_only",
-                                                                               INT8_DEFAULTS["smoothquant_only"]))
+                                               float(alpha), only=o.smoothquant_only)
         stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         emb = None
-        if options.get("embedding", INT8.embedding) == "int8" and algo == "int8":
+        if algo == "int8" and o.embedding == "int8":
             emb = quantize_embedding_int8(model, meta["vocab_size"])
             _prune_unused_initializers(model)
         stats["embedding"] = emb
         if algo == "int8":
-            method = options.get("method", INT8_DEFAULTS["method"])
+            method = o.method
             if method == "dynamic":
-                info = int8_dynamic(model, out_dir, options, excluded)
+                info = int8_dynamic(model, out_dir, o, excluded)
             elif method == "mixed":
                 # dynamic per-tensor INT8 where activations are tame, blockwise (per-token) INT8 where calibration
                 # shows outlier channels (options.blockwise: fnmatch patterns of module names)
-                pats = list(options.get("blockwise", INT8_DEFAULTS["blockwise"]))
+                pats = list(o.blockwise)
                 blockwise = [n.name for n, _ in nodes if n.name not in excluded and _matches(n, pats)]
-                info = int8_dynamic(model, out_dir, options, excluded + blockwise)
+                info = int8_dynamic(model, out_dir, o, excluded + blockwise)
                 import onnx
 
                 dyn = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
-                info2 = _nbits(dyn, out_dir, {**options, "nodes_to_include": blockwise}, excluded, bits=8,
-                               sym_default=True)
+                info2 = _nbits(dyn, out_dir, excluded, bits=8, block=o.block_size, sym=o.symmetric,
+                               acc=o.accuracy_level, include=blockwise)
                 info = {"method": "mixed", "weights": f"{info['weights']}; {len(blockwise)} MatMuls int8 per "
                                                      f"32-block symmetric",
                         "activations": f"{info['activations']}; {len(blockwise)} MatMuls ({pats}) "
                                        f"{info2['activations']}", "blockwise_nodes": len(blockwise),
                         "dynamic_weights": info["dynamic_weights"]}
             elif method == "blockwise":
-                info = _nbits(model, out_dir, options, excluded, bits=8, sym_default=True)
+                info = _nbits(model, out_dir, excluded, bits=8, block=o.block_size, sym=o.symmetric,
+                              acc=o.accuracy_level)
                 info["method"] = "blockwise"
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic or blockwise")
         else:
-            info = _int4_wo(model, out_dir, options, excluded, untied)
+            info = _int4_wo(model, out_dir, o, excluded, untied)
         info["excluded_nodes"] = excluded
         info["quantized_matmuls"] = len(nodes) - len(excluded)
     copy_side_files(fp32_dir, out_dir)
@@ -523,8 +542,7 @@ def dynamic_int8_weights(quantization: dict) -> str | None:
         return quantization["dynamic_weights"]
     if "quantized_matmuls" in quantization:   # an engine's record from before the field: forge made only s8
         return "int8" if quantization.get("method") in ("dynamic", "mixed") else None
-    opts = {**INT8_DEFAULTS, **(quantization.get("options") or {})}
-    return _dynamic_weights(opts)
+    return _dynamic_weights({**INT8.model_dump(), **(quantization.get("options") or {})})
 
 
 def _dynamic_weights(opts: dict) -> str | None:

@@ -19,12 +19,13 @@ from typing import get_args
 
 from pipeline.gpus import min_sm
 from pipeline.modelinfo import ModelInfo
-from pipeline.recipe import TARGET_ALGOS, QuantizeSection
+from pipeline.recipe import QuantizeSection
+from pipeline.recipe_options import ModeloptOptions
 from pipeline.trtllm.build_config import KV_CACHE_ALGO, QUANT_ALGO
 
 # the recipe schema's choices (pipeline/recipe.py), for callers of this module
 METHODS = get_args(QuantizeSection.model_fields["method"].annotation)
-ALGOS = tuple(sorted(TARGET_ALGOS["tensorrt_llm"]))
+ALGOS = tuple(QUANT_ALGO)      # the tensorrt_llm target's algos (pipeline/targets/tensorrt_llm.py reads the same map)
 KV_CACHE = get_args(QuantizeSection.model_fields["kv_cache"].annotation)
 INT4_ALGOS = ("int4_wo", "int4_awq")
 # SmoothQuant migration strength when quantize.alpha is unset: ModelOpt's own default. On SmolLM2
@@ -151,7 +152,7 @@ def modelopt_config(q: dict, info: ModelInfo | None = None) -> dict:
         # ModelOpt's KV presets quantize the attention BMM inputs (k/v) per tensor (FP8_KV_CFG);
         # export reads num_bits 8 as INT8 and (4, 3) as FP8 (modelopt.torch.export.quant_utils).
         cfg["quant_cfg"].append({"quantizer_name": "*[kv]_bmm_quantizer", "cfg": {"num_bits": bits, "axis": None}})
-    for pat in (c["options"] or {}).get("exclude", []):
+    for pat in ModeloptOptions.model_validate(c["options"] or {}).exclude:     # the options model's default
         cfg["quant_cfg"].append({"quantizer_name": pat if pat.endswith("quantizer") else f"{pat}*quantizer",
                                  "enable": False})
     return cfg

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 
 from .. import data as datasets
-from ..eval.metrics import LogitsComparer, greedy_match
-from ..eval.reference import TorchReference
 from ..progress import progress_bar
 from .base import Stage, StageContext
 from .common import eval_sets, model_dir, set_digests, tokenizer, windows
@@ -65,6 +63,9 @@ class EvaluateBase(Stage):
                 close()
 
     def _evaluate(self, ctx: StageContext, cand) -> dict:
+        # torch is imported when a stage runs, not when the flow is declared (the recipe schema reads the targets)
+        from ..eval.metrics import LogitsComparer, greedy_match
+        from ..eval.reference import TorchReference
         mdir = model_dir(ctx)
         ref = TorchReference(mdir, device=self.reference_device(ctx.recipe))
         per_set = {}

@@ -85,15 +85,11 @@ class OrtExport(Stage):
                            max_seq=e.max_seq_len, parity={k: v.model_dump() for k, v in e.parity.items()})
 
 
-def ort_options(q) -> dict:
-    """quantize.options as written, with quantize.block_size as the option it stands for
-    (pipeline/recipe_options.py; the recipe schema refuses both spellings at once)."""
-    from ..recipe_options import ORT_SECTION_OPTION
-    opts = dict(q.options)
-    for key, opt in ORT_SECTION_OPTION.items():
-        if getattr(q, key) is not None:
-            opts[opt] = getattr(q, key)
-    return opts
+def ort_options(q):
+    """The options model of quantize.algo filled from the quantize section (quantize.options, and quantize.block_size
+    as the option it stands for: pipeline/targets/onnxruntime.py), what ONNX Runtime's quantizer receives."""
+    from ..targets import registry
+    return registry.get("onnxruntime").quantize_options(q)
 
 
 def ort_calibrates(q) -> bool:
@@ -134,10 +130,8 @@ class OrtQuantize(Stage):
         if r.quantize.algo != "int4_wo" or info is None:
             return []
         from ..quant.configs import linear_input_widths
-        from ..recipe_options import OrtInt4Options
-        opts = ort_options(r.quantize)
-        key = "quantize.block_size" if r.quantize.block_size is not None else "quantize.options.block_size"
-        block = opts.get("block_size", OrtInt4Options.model_fields["block_size"].default)
+        key = "quantize.block_size"
+        block = ort_options(r.quantize).block_size
         widths = {**linear_input_widths(info), "lm_head": info.hidden_size}
         bad = {k: w for k, w in widths.items() if w % block}
         if bad:

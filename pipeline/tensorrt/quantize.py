@@ -45,29 +45,31 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ForgeError
-from ..recipe_options import TensorrtOptions, quantizer
+from ..recipe_options import NoOptions, TensorrtFp8Options, TensorrtInt8Options, TensorrtOptions
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx_data"     # ModelOpt's name for the external weights of its output
 QUANT_FILE = "tensorrt_quant.json"
+# the algos this quantizer implements -> the model of their options; the tensorrt target offers exactly these
+OPTIONS = {"none": NoOptions, "int8": TensorrtInt8Options, "fp8": TensorrtFp8Options}
 TRT_UNPARSABLE = {"MatMulInteger", "DynamicQuantizeLinear", "MatMulNBits", "DynamicQuantizeMatMul", "QLinearMatMul"}
 
 
 def resolve_options(algo: str, options: dict) -> TensorrtOptions:
-    """The options model of ``algo`` (pipeline/recipe_options.py) filled from ``quantize.options``."""
+    """The options model of ``algo`` (:data:`OPTIONS`) filled from ``quantize.options``."""
     from pydantic import ValidationError
 
-    qz = quantizer("tensorrt", algo)
-    if qz is None or not issubclass(qz.options, TensorrtOptions):
+    model = OPTIONS.get(algo)
+    if model is None or not issubclass(model, TensorrtOptions):
         if options:
             raise ForgeError(f"quantize.options {sorted(options)} do not apply to quantize.algo {algo!r} "
                              "(nothing is quantized); remove them")
         return TensorrtOptions()
     opts = dict(options)
     try:
-        return qz.options.model_validate(opts)
+        return model.model_validate(opts)
     except ValidationError as e:
-        allowed = ", ".join(qz.options.model_fields)
+        allowed = ", ".join(model.model_fields)
         raise ForgeError("; ".join(f"quantize.options.{'.'.join(map(str, err['loc']))}: {err['msg']} "
                                    f"(tensorrt target, algo {algo}: {allowed})" for err in e.errors())) from None
 

@@ -8,7 +8,7 @@ needs paged context FMHA) fail only at serving time. `validate_build` reports ev
 `forge plan`, each problem naming the recipe key to change, before any GPU work.
 
 Inputs are plain dicts: ``build`` is the recipe's ``build`` section (or its ``tensorrt_llm`` sub-dict),
-``quant`` the recipe's ``quantize`` section; keys follow pipeline/recipe.py (TrtllmBuild, QuantizeSection).
+``quant`` the recipe's ``quantize`` section; keys follow pipeline/targets/tensorrt_llm.py (TrtllmBuild) and pipeline/recipe.py (QuantizeSection).
 """
 
 from __future__ import annotations
@@ -228,8 +228,8 @@ def prompt_limit(build: dict) -> tuple[int, bool]:
 
 
 def _default_logits_dtype() -> str:
-    from ..recipe import TrtllmBuild
-    return TrtllmBuild.model_fields["logits_dtype"].default
+    from ..targets import registry      # the section's home (pipeline/targets/tensorrt_llm.py); read, not copied
+    return registry.get("tensorrt_llm").section.model_fields["logits_dtype"].default
 
 
 def _flag(v) -> str:
@@ -261,7 +261,7 @@ def trtllm_build_args(build: dict, ckpt_dir: str | Path, out_dir: str | Path,
         args += ["--gather_context_logits"]
     # Always explicit: the checkpoint's own logits_dtype (ModelOpt writes the model dtype) would otherwise decide.
     # trtllm-build applies it in build_model (model_config.logits_dtype = logits_dtype; tensorrt_llm/commands/build.py
-    # @ 65f1d15, choices float16/float32); why float16 is the default: recipe.py TrtllmBuild.logits_dtype.
+    # @ 65f1d15, choices float16/float32); why float16 is the default: pipeline/targets/tensorrt_llm.py TrtllmBuild.logits_dtype.
     args += ["--logits_dtype", str(b.get("logits_dtype") or _default_logits_dtype())]
     if timing_cache_in is not None:
         args += ["--input_timing_cache", str(timing_cache_in)]

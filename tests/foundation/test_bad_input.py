@@ -166,8 +166,12 @@ def test_malformed_override(case, capsys, monkeypatch):
     ("smollm2-135m-fp32", "quantize.options.method=mixed", "quantize.options.method: unknown key (no key is allowed here)"),
     ("smollm2-135m-int4", "quantize.alpha=0.5", "quantize.alpha: not read by build.target 'onnxruntime' with algo "
                                                "'int4_wo' (read by: onnxruntime int8, as quantize.options.smoothquant_alpha)"),
-    ("smollm2-135m-int4", "quantize.options.block_size=64", "quantize.block_size: quantize.options.block_size says "
-                                                           "the same; set one of them"),
+    # one spelling per option (issue 25): the block size is quantize.block_size for every target
+    ("smollm2-135m-int4", "quantize.options.block_size=64", "quantize.options.block_size: build.target 'onnxruntime' "
+     "reads this as quantize.block_size (one spelling per option); did you mean 'quantize.block_size'?"),
+    ("smollm2-135m-int8", "quantize.options.block_size=64", "did you mean 'quantize.block_size'?"),
+    ("smollm2-135m-trtllm-tp3", "quantize.options.block_size=64", "quantize.options.block_size: build.target "
+     "'tensorrt_llm' reads this as quantize.block_size (one spelling per option)"),
     ("smollm2-135m-trtllm-tp3", "quantize.options.blockwise=[lm_head]", "quantize.options.blockwise: unknown key "
                                                                        "(allowed here: exclude)"),
     ("smollm2-135m-trtllm-tp3", "quantize.qat.lr=0.5", None),       # not QAT: the section is still checked

@@ -168,9 +168,15 @@ def test_status_and_exit_codes():
 
 def test_option_schemas_cover_every_target_algo_and_hold_the_quantizers_defaults():
     from pipeline.ort import quantize as ortq
-    from pipeline.recipe import TARGET_ALGOS
-    from pipeline.recipe_options import QUANTIZERS, OrtInt8Options
-    assert set(QUANTIZERS) == {(t, a) for t, algos in TARGET_ALGOS.items() for a in algos}
+    from pydantic import BaseModel
+
+    from pipeline import targets
+    from pipeline.recipe_options import OrtInt8Options
+    from pipeline.trtllm.build_config import QUANT_ALGO
+    assert targets.names() == ("onnxruntime", "tensorrt_llm", "tensorrt")
+    assert {t.name: set(t.algos) for t in targets.all_targets()} == {
+        "onnxruntime": {"none", "int8", "int4_wo"}, "tensorrt": {"none", "int8", "fp8"}, "tensorrt_llm": set(QUANT_ALGO)}
+    assert all(issubclass(q.options, BaseModel) for t in targets.all_targets() for q in t.quantizers.values())
     # issue 11: dynamic MatMuls hold 7-bit s8 weights (exact on CPUs without VNNI/AMX)
     assert ortq.INT8_DEFAULTS == {"method": "mixed", "blockwise": ["*.mlp.down_proj", "lm_head"],
                                   "smoothquant_alpha": 0.5, "smoothquant_only": ["*.q_proj", "*.gate_proj"],

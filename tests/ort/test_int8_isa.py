@@ -23,6 +23,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.host.cpu import U8S8_SATURATING, cpu_isa
 from pipeline.ort.quantize import INT8_DEFAULTS, _nbits, int8_dynamic
+from pipeline.recipe_options import OrtInt8Options
 
 ROOT = Path(__file__).resolve().parents[2]
 PROBE = Path(__file__).with_name("isa_probe.py")
@@ -56,7 +57,8 @@ def graphs(tmp_path_factory) -> Path:
         int8_dynamic(fp32(), sub, opts)
         onnx.save(onnx.load(str(sub / "model.onnx")), str(d / f"{name}.onnx"))   # one self-contained file
     sub = d / "forge_blockwise"
-    _nbits(fp32(), sub, {}, [], bits=8, sym_default=True)
+    o = OrtInt8Options()       # the blockwise defaults
+    _nbits(fp32(), sub, [], bits=8, block=o.block_size, sym=o.symmetric, acc=o.accuracy_level)
     onnx.save(onnx.load(str(sub / "model.onnx")), str(d / "forge_blockwise.onnx"))
     return d
 

@@ -23,13 +23,15 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline import recipe_options
+import dataclasses
+
+from pipeline import targets
 from pipeline.hardware import Hardware
 from pipeline.stages.base import Stage, cpu_isa_hardware
 
 
 class FakeKnobs(BaseModel):
-    """The knobs above ride in quantize.options, which forge's schema (pipeline/recipe_options.py) closes for algo
+    """The knobs above ride in quantize.options, which forge's schema (each target's quantizers, pipeline/targets) closes for algo
     none; with these fake flows any knob is accepted there (here and in every Ray worker that imports this)."""
     model_config = ConfigDict(extra="allow")
 
@@ -38,8 +40,8 @@ if os.environ.get("FORGE_TEST_ISA_CLASS"):
     import pipeline.host.cpu
     pipeline.host.cpu.cpu_isa_class = lambda: os.environ["FORGE_TEST_ISA_CLASS"]
 
-for _key in [k for k in recipe_options.QUANTIZERS if k[1] == "none"]:
-    recipe_options.QUANTIZERS[_key] = recipe_options.Quantizer(FakeKnobs)
+for _t in targets.all_targets():
+    targets.register(dataclasses.replace(_t, quantizers={**_t.quantizers, "none": targets.Quantizer(FakeKnobs)}))
 
 
 def _opt(r, name, default=None):

@@ -12,7 +12,7 @@ from pipeline.trtllm.build_config import trtllm_build_args, validate_build
 SMOL = ModelInfo.bundled("HuggingFaceTB/SmolLM2-135M-Instruct")
 QWEN = ModelInfo.bundled("Qwen/Qwen2.5-7B-Instruct")
 
-# The build sections proposed for the recipes (defaults of pipeline/recipe.py TrtllmBuild otherwise).
+# The build sections proposed for the recipes (defaults of pipeline/targets/tensorrt_llm.py TrtllmBuild otherwise).
 QWEN7B_INT8 = {"dtype": "float16", "tp": 2, "pp": 1, "max_batch_size": 64, "max_input_len": 4096,
                "max_seq_len": 8192, "max_num_tokens": 8192, "kv_cache_type": "paged", "tokens_per_block": 64,
                "gemm_plugin": "auto", "gpt_attention_plugin": "auto", "context_fmha": True,

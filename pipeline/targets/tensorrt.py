@@ -1,0 +1,48 @@
+"""build.target tensorrt: an ONNX graph with QDQ from ModelOpt's ONNX PTQ, built by TensorRT (strongly typed)."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from ..recipe import MAX_BATCH, MAX_SEQ_LEN, Section
+from ..tensorrt.quantize import OPTIONS
+from ..stages.onnxruntime import OrtExport
+from ..stages.source import SourceStage
+from ..stages.tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
+from .registry import Quantizer, Target, register
+
+
+class TensorrtBuild(Section):
+    precision: Literal["fp32", "fp16"] = Field("fp16", description=(
+        "what the unquantized layers run in; the quantize stage writes it into the graph (quantize.algo int8/fp8 "
+        "adds QDQ around the weight MatMuls) and TensorRT builds that graph strongly typed. No bf16: the graph "
+        "must also run on ONNX Runtime's CPU provider (evaluate_qdq), which has no bf16 MatMul"))
+    gpu_sm: Optional[int] = Field(None, ge=30, le=200, description=(
+        "compute capability the engine is for, e.g. 89 or 90; detected when a GPU is present (needed to plan fp8 "
+        "on a machine without one)"))
+    workspace_gib: float = Field(4.0, gt=0, le=1024, description="TensorRT builder workspace (memory pool limit)")
+    builder_optimization_level: Optional[int] = Field(None, ge=0, le=5, description="TensorRT's default when null")
+    max_batch_size: int = Field(4, ge=1, le=MAX_BATCH, description="optimisation profiles: largest batch")
+    max_seq_len: int = Field(1024, ge=2, le=MAX_SEQ_LEN, description="optimisation profiles: largest past + new tokens")
+
+
+def _checks(recipe) -> list[str]:
+    if recipe.export.attention == "gqa":
+        return ["export.attention 'gqa' is an ONNX Runtime contrib op that TensorRT cannot parse; "
+                "use export.attention: standard (or auto) for build.target 'tensorrt'"]
+    return []
+
+
+TARGET = register(Target(
+    name="tensorrt",
+    section=TensorrtBuild,
+    # the algos ModelOpt's ONNX PTQ is driven with, with their options models (pipeline/tensorrt/quantize.OPTIONS)
+    quantizers={a: Quantizer(m) for a, m in OPTIONS.items()},
+    flow=(SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage),
+    summary="TensorRT engine from an ONNX graph with QDQ (ModelOpt ONNX PTQ)",
+    moved_section_keys={"alpha": "quantize.options.smoothquant_alpha"},
+    onnx_attention="standard",     # TensorRT parses plain ONNX attention only
+    checks=_checks,
+))

@@ -1,0 +1,69 @@
+"""build.target tensorrt_llm: ModelOpt quantizes the torch model (PTQ or QAT), a TensorRT-LLM checkpoint is written
+and checked, trtllm-build builds the engine, Triton's tensorrtllm backend serves it."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+
+from ..recipe import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Section
+from ..recipe_options import ModeloptOptions
+from ..stages.source import SourceStage
+from ..stages.tensorrt_llm import (CheckpointEvaluate, ModeloptQuantize, TrtllmBuildDeploy, TrtllmBuildStage,
+                                   TrtllmCheckpoint, TrtllmEvaluate, TrtllmPackage)
+from ..stages.validate import ValidateCheckpointStage, ValidateStage
+from ..trtllm.build_config import QUANT_ALGO
+from .registry import Quantizer, Target, register
+
+
+class TrtllmBuild(Section):
+    dtype: Literal["float16", "bfloat16"] = "float16"
+    tp: int = Field(1, ge=1, le=MAX_GPUS)
+    pp: int = Field(1, ge=1, le=MAX_GPUS)
+    gpu_sm: Optional[int] = Field(None, ge=30, le=200,
+                                  description="compute capability the engine targets, e.g. 90; detected when a GPU is present")
+    max_batch_size: int = Field(8, ge=1, le=MAX_BATCH)
+    max_input_len: int = Field(1024, ge=1, le=MAX_SEQ_LEN)
+    max_seq_len: int = Field(2048, ge=1, le=MAX_SEQ_LEN)
+    max_num_tokens: int = Field(8192, ge=1, le=2**20)
+    max_beam_width: int = Field(1, ge=1, le=64)
+    kv_cache_type: Literal["paged", "continuous", "disabled"] = "paged"
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    gemm_plugin: str = "auto"
+    gpt_attention_plugin: str = "auto"
+    context_fmha: bool = True
+    use_paged_context_fmha: bool = True
+    remove_input_padding: bool = True
+    use_fused_mlp: bool = True
+    reduce_fusion: bool = False
+    user_buffer: bool = False
+    multiple_profiles: bool = False
+    workers: int = Field(1, ge=1, le=MAX_GPUS)
+    gather_context_logits: bool = Field(True, description="engine returns context logits: needed by validate's perplexity/top-1 "
+                                        "(costs max_num_tokens x vocab x 2 bytes of GPU memory with logits_dtype float16, "
+                                        "x 4 with float32); TensorRT-LLM turns KV-cache reuse off for such an engine")
+    logits_dtype: Literal["float16", "float32"] = Field(
+        "float16", description="trtllm-build --logits_dtype, always passed. The lm_head GEMM runs in the model dtype and "
+                               "the engine (strongly typed) casts its output to logits_dtype, so float32 stores the same "
+                               "rounded values in twice the memory")
+    extra_args: list[str] = Field(default_factory=list)
+
+
+# the quantize-section keys ModelOpt's configs read per algo (pipeline/quant/configs.modelopt_config)
+_SECTION_KEYS = {"int8_sq": ("alpha",), "int4_wo": ("block_size",), "int4_awq": ("block_size",)}
+
+TARGET = register(Target(
+    name="tensorrt_llm",
+    section=TrtllmBuild,
+    # the algos are those TensorRT-LLM's checkpoint can say (trtllm/build_config.QUANT_ALGO, the one map)
+    quantizers={a: Quantizer(ModeloptOptions, _SECTION_KEYS.get(a, ())) for a in QUANT_ALGO},
+    flow=(SourceStage, ModeloptQuantize, TrtllmCheckpoint, CheckpointEvaluate, ValidateCheckpointStage,
+          TrtllmBuildStage, TrtllmEvaluate, ValidateStage, TrtllmBuildDeploy, TrtllmPackage),
+    summary="TensorRT-LLM engine from a ModelOpt-quantized checkpoint",
+    kv_cache=True,
+    thresholds=("simulated_ppl_gap_max",),     # the checkpoint's reference numerics vs the quantize stage's
+    qat=True,
+    # ModelOpt's torch quantizer reads SmoothQuant's strength from the quantize section
+    moved_options={"smoothquant_alpha": "quantize.alpha", "block_size": "quantize.block_size"},
+))

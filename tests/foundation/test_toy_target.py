@@ -1,0 +1,288 @@
+"""A build target registered from this file alone (issue 25): its own build section, quantizer options, a three-stage
+flow of trivial stages and CPU hardware, built end to end through the real CLI and Runner with a throw-away
+FORGE_HOME. Nothing outside this file knows it: that is the proof that a target owns its facts
+(pipeline/targets/registry.py, docs/architecture.md "Adding a build target")."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline import cli, targets
+from pipeline.hardware import Hardware
+from pipeline.recipe import Section
+from pipeline.stages.base import Stage
+
+
+class ToyBuild(Section):                      # build.toy
+    width: int = Field(4, ge=1, le=64)
+    label: str = "toy"
+
+
+class ToyRoundOptions(BaseModel):             # quantize.options of algo toy_round
+    model_config = ConfigDict(extra="forbid", strict=True)
+    step: float = Field(0.5, gt=0, le=10)
+
+
+class NoToyOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+RUNS: list[str] = []                          # stage names in the order they ran (a cache hit does not run)
+
+
+class ToyMake(Stage):
+    name = "make"
+    section = "build.toy"                    # its key: the whole build.toy section
+
+    def hardware(self, r):
+        return Hardware.cpu("toy-cpu")
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        b = ctx.recipe.build.toy
+        values = [i / 3 for i in range(b.width)]
+        (ctx.out / "values.json").write_text(json.dumps(values))
+        return {"n": len(values)}
+
+
+class ToyQuantize(Stage):
+    name = "quantize"
+    needs = ("make",)
+
+    def config(self, r):
+        return {"algo": r.quantize.algo, "options": r.quantize.options}
+
+    def hardware(self, r):
+        return Hardware.cpu("toy-cpu")
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        opts = targets.get("toy").quantize_options(ctx.recipe.quantize)     # the typed model, defaults filled
+        assert isinstance(opts, ToyRoundOptions)
+        values = json.loads((ctx.inputs["make"] / "values.json").read_text())
+        q = [round(v / opts.step) * opts.step for v in values]
+        (ctx.out / "values.json").write_text(json.dumps(q))
+        return {"step": opts.step, "max_err": max(abs(a - b) for a, b in zip(values, q))}
+
+
+class ToyPackage(Stage):
+    name = "package"
+    needs = ("quantize",)
+    hands_off = True
+
+    def config(self, r):
+        return {"label": r.build.toy.label}
+
+    def hardware(self, r):
+        return Hardware.cpu("toy-cpu")
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        (ctx.out / "MANIFEST").write_text(ctx.recipe.build.toy.label + "\n"
+                                          + (ctx.inputs["quantize"] / "values.json").read_text())
+        return {"packaged": True}
+
+
+def toy_checks(r) -> list[str]:
+    """A rule across sections, for recipes of this target only."""
+    if r.quantize.algo == "toy_round" and r.build.toy.width < 2:
+        return [f"build.toy.width = {r.build.toy.width}: toy_round needs at least 2 values"]
+    return []
+
+
+TOY = targets.Target(name="toy", section=ToyBuild,
+                     quantizers={"none": targets.Quantizer(NoToyOptions),
+                                 "toy_round": targets.Quantizer(ToyRoundOptions)},
+                     flow=(ToyMake, ToyQuantize, ToyPackage), summary="a toy target (tests only)",
+                     checks=toy_checks)
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("FORGE_HOME", str(home))
+    monkeypatch.delenv("FORGE_REMOTE_CACHE", raising=False)
+    targets.register(TOY)
+    RUNS.clear()
+    yield tmp_path
+    targets.unregister("toy")
+
+
+def forge(capsys, monkeypatch, *args) -> tuple[int, str]:
+    monkeypatch.setattr(sys, "argv", ["forge", *map(str, args)])
+    monkeypatch.setattr(cli, "DEBUG", False)
+    for c in (cli.console, cli.err):
+        monkeypatch.setattr(c, "width", 400)
+    with pytest.raises(SystemExit) as e:
+        cli.main()
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert "Traceback" not in text, text
+    return e.value.code, " ".join(text.split())
+
+
+def recipe(d, text: str, name: str = "toy-recipe"):
+    p = d / f"{name}.yaml"
+    p.write_text(text)
+    return p
+
+
+TOY_RECIPE = """\
+build:
+  target: toy
+  toy: {width: 7, label: hello}
+quantize:
+  algo: toy_round
+  options: {step: 0.25}
+"""
+
+
+def test_a_toy_target_builds_end_to_end_and_hits_the_cache_on_rerun(toy, capsys, monkeypatch):
+    p = recipe(toy, TOY_RECIPE)
+    reports = toy / "out"
+    code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", reports)
+    assert code == 0, out
+    assert RUNS == ["make", "quantize", "package"]
+    report = json.loads((reports / "toy-recipe" / "report.json").read_text())
+    assert report["target"] == "toy"
+    stages = {s["name"]: s for s in report["stages"]}
+    assert list(stages) == ["make", "quantize", "package"]
+    assert stages["quantize"]["metrics"]["step"] == 0.25          # the option as written, typed
+    assert stages["quantize"]["metrics"]["max_err"] == pytest.approx(1 / 12)   # 1/3 rounded to 0.25 steps
+    manifest = (reports / "toy-recipe" / "triton_repo" / "MANIFEST").read_text()
+    assert manifest.splitlines()[0] == "hello"
+    assert json.loads(manifest.splitlines()[1]) == [0.0, 0.25, 0.75, 1.0, 1.25, 1.75, 2.0]
+    assert len(list((toy / "home").rglob("values.json"))) == 2     # the cache is the throw-away FORGE_HOME's
+
+    RUNS.clear()
+    code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", reports)
+    assert code == 0, out
+    assert RUNS == []                                               # every stage a cache hit
+    assert [s["status"] for s in json.loads((reports / "toy-recipe" / "report.json").read_text())["stages"]] \
+        == ["hit"] * 3
+
+    # an option the key reads: only quantize and package rebuild
+    code, out = forge(capsys, monkeypatch, "build", p, "--set", "quantize.options.step=0.5", "--report-dir", reports)
+    assert code == 0, out
+    assert RUNS == ["quantize", "package"]
+
+
+def test_the_option_default_is_the_models(toy, capsys, monkeypatch):
+    p = recipe(toy, TOY_RECIPE.replace("  options: {step: 0.25}\n", ""))
+    code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", toy / "out")
+    assert code == 0, out
+    report = json.loads((toy / "out" / "toy-recipe" / "report.json").read_text())
+    assert {s["name"]: s for s in report["stages"]}["quantize"]["metrics"]["step"] == 0.5
+
+
+@pytest.mark.parametrize("text, expect", [
+    # another target's section, set by this recipe: refused naming the target that reads it
+    (TOY_RECIPE.replace("  toy: {width: 7, label: hello}\n",
+                        "  toy: {width: 7, label: hello}\n  tensorrt_llm: {tp: 4}\n"),
+     ["build.tensorrt_llm: read only by build.target 'tensorrt_llm'; this recipe builds build.target 'toy'"]),
+    # the toy section in a recipe of a built-in target: refused naming the toy target
+    ("build:\n  target: onnxruntime\n  toy: {width: 9}\nquantize: {method: none}\n",
+     ["build.toy: read only by build.target 'toy'; this recipe builds build.target 'onnxruntime'"]),
+    # the toy section's own schema, with did-you-mean
+    (TOY_RECIPE.replace("width: 7", "widht: 7"), ["unknown key 'build.toy.widht'; did you mean 'build.toy.width'?"]),
+    (TOY_RECIPE.replace("width: 7", "width: 99"), ["build.toy.width = 99: must be an integer in [1, 64]"]),
+    # the toy quantizer's options, and its algos
+    (TOY_RECIPE.replace("step: 0.25", "stpe: 0.25"),
+     ["quantize.options.stpe: unknown key; did you mean 'quantize.options.step'? (allowed here: step)"]),
+    (TOY_RECIPE.replace("algo: toy_round", "algo: int8"),
+     ["quantize.algo: 'int8' is not available for build.target 'toy' (allowed: none, toy_round)"]),
+    # the target's own cross-section rule
+    (TOY_RECIPE.replace("width: 7", "width: 1"), ["build.toy.width = 1: toy_round needs at least 2 values"]),
+    # a threshold only another target's stages produce
+    (TOY_RECIPE + "validate: {thresholds: {simulated_ppl_gap_max: 1.0}}\n",
+     ["validate.thresholds.simulated_ppl_gap_max gates a metric only build.target tensorrt_llm produces; remove it "
+      "for 'toy'"]),
+    # an unknown target: the message lists the registered ones, the toy included
+    (TOY_RECIPE.replace("target: toy", "target: toyy"),
+     ["build.target = 'toyy' is not allowed: Input should be 'onnxruntime', 'tensorrt_llm', 'tensorrt' or 'toy'"]),
+])
+def test_bad_toy_recipes_are_refused_with_exit_2(toy, capsys, monkeypatch, text, expect):
+    code, out = forge(capsys, monkeypatch, "plan", recipe(toy, text))
+    assert code == 2, out
+    for frag in expect:
+        assert frag in out, out
+    assert RUNS == []
+
+
+def test_a_built_in_recipe_does_not_see_the_toy_target_once_it_is_gone(toy, capsys, monkeypatch):
+    targets.unregister("toy")
+    code, out = forge(capsys, monkeypatch, "plan", recipe(toy, TOY_RECIPE))
+    assert code == 2, out
+    assert "build.target = 'toy' is not allowed: Input should be 'onnxruntime', 'tensorrt_llm' or 'tensorrt'" in out
+    assert "unknown key 'build.toy'" in out
+
+
+def test_the_toy_stages_hardware_is_in_their_keys(toy):
+    from pipeline.recipe import resolve
+    from pipeline.runner import Runner
+    r = resolve(str(recipe(toy, TOY_RECIPE)))
+    hw = targets.get("toy").hardware(r)
+    assert hw == {"make": "cpu:toy-cpu", "quantize": "cpu:toy-cpu", "package": "cpu:toy-cpu"}
+    assert all(h.kind == "cpu" and not h.on_gpu for h in hw.values())
+    plan = Runner(r).plan()
+    assert [p.name for p in plan] == ["make", "quantize", "package"]
+    assert plan[0].components["hardware"] == "cpu:toy-cpu"
+    assert plan[0].components["config"] == {"width": 7, "label": "hello"}     # the whole build.toy section
+
+
+def test_registry_errors_name_the_registered_targets(toy):
+    from pipeline.stages import flow_for
+    with pytest.raises(KeyError, match="unknown build.target 'nope' .targets: onnxruntime, tensorrt_llm, tensorrt, toy"):
+        flow_for("nope")
+    with pytest.raises(ValueError, match="must be an identifier"):
+        targets.register(targets.Target(name="to-y", section=ToyBuild, quantizers=TOY.quantizers, flow=TOY.flow))
+    with pytest.raises(ValueError, match="must include 'none'"):
+        targets.register(targets.Target(name="toy2", section=ToyBuild, quantizers={}, flow=TOY.flow))
+    assert targets.names()[-1] == "toy" and "toy_round" in targets.quantization_algos()
+
+
+def test_the_schema_imports_no_target_code_until_it_is_asked():
+    """recipe.py sits below the targets: importing it loads the registry only; the built-in targets (and the stages
+    they import) load the first time the registry is read."""
+    import subprocess
+    code = ("import sys, pipeline.recipe as r; before = 'pipeline.stages' in sys.modules; "
+            "r.resolve('smollm2-135m-int8'); print(before, 'pipeline.targets.onnxruntime' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "True"]
+
+
+class _EntryPoint:                                 # what importlib.metadata gives for an installed plug-in
+    def __init__(self, name, load):
+        self.name, self.value, self.load = name, f"toy_plugin:{name}", load
+
+
+def test_installed_plug_ins_register_through_entry_points(monkeypatch):
+    from pipeline.errors import ForgeError
+    from pipeline.targets import registry
+    groups = []
+
+    def plugin_load():
+        targets.register(dataclasses.replace(TOY, name="toy_plugin"))
+
+    def entry_points(group):
+        groups.append(group)
+        return [_EntryPoint("toy_plugin", plugin_load)]
+    monkeypatch.setattr(registry, "entry_points", entry_points)
+    monkeypatch.setattr(registry, "_loaded", False)
+    try:
+        assert "toy_plugin" in targets.names() and groups == ["forge.targets"]
+    finally:
+        targets.unregister("toy_plugin")
+
+    def broken():
+        raise ImportError("No module named 'toy_plugin'")
+    monkeypatch.setattr(registry, "entry_points", lambda group: [_EntryPoint("toy_broken", broken)])
+    monkeypatch.setattr(registry, "_loaded", False)
+    with pytest.raises(ForgeError, match=r"build-target plug-in 'toy_broken' \(entry point forge.targets: "
+                                         r"toy_plugin:toy_broken\) failed to load: ImportError: .*fix or uninstall"):
+        targets.names()

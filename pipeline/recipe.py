@@ -18,7 +18,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .errors import MAX_PROBLEMS_SHOWN, RecipeError
 from .hashing import sha256_json
-from .targets import registry
+from . import target_registry as registry
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPE = "smollm2-135m-int8"

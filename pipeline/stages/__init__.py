@@ -7,5 +7,5 @@ from .base import Stage
 
 def flow_for(target: str) -> list[Stage]:
     """The stages of ``target`` in run order (a KeyError names the registered targets)."""
-    from ..targets import registry
+    from .. import target_registry as registry
     return registry.get(target).stages()

@@ -88,7 +88,7 @@ class OrtExport(Stage):
 def ort_options(q):
     """The options model of quantize.algo filled from the quantize section (quantize.options, and quantize.block_size
     as the option it stands for: pipeline/targets/onnxruntime.py), what ONNX Runtime's quantizer receives."""
-    from ..targets import registry
+    from .. import target_registry as registry
     return registry.get("onnxruntime").quantize_options(q)
 
 

@@ -12,7 +12,7 @@ from ..ort.quantize import OPTIONS
 from ..stages.onnxruntime import OrtBuildStage, OrtEvaluate, OrtExport, OrtPackage, OrtQuantize
 from ..stages.source import SourceStage
 from ..stages.validate import ValidateStage
-from .registry import Quantizer, Target, register
+from ..target_registry import Quantizer, Target, register
 
 
 class OrtBuild(Section):

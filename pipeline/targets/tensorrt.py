@@ -11,7 +11,7 @@ from ..tensorrt.quantize import OPTIONS
 from ..stages.onnxruntime import OrtExport
 from ..stages.source import SourceStage
 from ..stages.tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
-from .registry import Quantizer, Target, register
+from ..target_registry import Quantizer, Target, register
 
 
 class TensorrtBuild(Section):

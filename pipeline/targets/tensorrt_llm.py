@@ -14,7 +14,7 @@ from ..stages.tensorrt_llm import (CheckpointEvaluate, ModeloptQuantize, TrtllmB
                                    TrtllmCheckpoint, TrtllmEvaluate, TrtllmPackage)
 from ..stages.validate import ValidateCheckpointStage, ValidateStage
 from ..trtllm.build_config import QUANT_ALGO
-from .registry import Quantizer, Target, register
+from ..target_registry import Quantizer, Target, register
 
 
 class TrtllmBuild(Section):

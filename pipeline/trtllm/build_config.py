@@ -228,7 +228,7 @@ def prompt_limit(build: dict) -> tuple[int, bool]:
 
 
 def _default_logits_dtype() -> str:
-    from ..targets import registry      # the section's home (pipeline/targets/tensorrt_llm.py); read, not copied
+    from .. import target_registry as registry      # the section's home (pipeline/targets/tensorrt_llm.py); read, not copied
     return registry.get("tensorrt_llm").section.model_fields["logits_dtype"].default
 
 

@@ -1,7 +1,7 @@
 """A build target registered from this file alone (issue 25): its own build section, quantizer options, a three-stage
 flow of trivial stages and CPU hardware, built end to end through the real CLI and Runner with a throw-away
 FORGE_HOME. Nothing outside this file knows it: that is the proof that a target owns its facts
-(pipeline/targets/registry.py, docs/architecture.md "Adding a build target")."""
+(pipeline/target_registry.py, docs/architecture.md "Adding a build target")."""
 
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ class _EntryPoint:                                 # what importlib.metadata giv
 
 def test_installed_plug_ins_register_through_entry_points(monkeypatch):
     from pipeline.errors import ForgeError
-    from pipeline.targets import registry
+    from pipeline import target_registry as registry
     groups = []
 
     def plugin_load():

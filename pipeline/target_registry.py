@@ -91,7 +91,7 @@ def _load_builtins() -> None:
             try:
                 ep.load()
             except Exception as e:      # a broken plug-in names itself rather than failing in forge's code
-                from ..errors import ForgeError
+                from .errors import ForgeError
                 raise ForgeError(f"build-target plug-in '{ep.name}' (entry point {ENTRY_POINT_GROUP}: {ep.value}) "
                                  f"failed to load: {type(e).__name__}: {e}; fix or uninstall it") from e
 

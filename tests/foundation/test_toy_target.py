@@ -12,10 +12,11 @@ import sys
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import cli, targets
+from pipeline import targets
 from pipeline.hardware import Hardware
 from pipeline.recipe import Section
 from pipeline.stages.base import Stage
+from test_bad_input import run_cli      # tests/foundation/test_bad_input.py
 
 
 class ToyBuild(Section):                      # build.toy
@@ -113,17 +114,7 @@ def toy(tmp_path, monkeypatch):
     targets.unregister("toy")
 
 
-def forge(capsys, monkeypatch, *args) -> tuple[int, str]:
-    monkeypatch.setattr(sys, "argv", ["forge", *map(str, args)])
-    monkeypatch.setattr(cli, "DEBUG", False)
-    for c in (cli.console, cli.err):
-        monkeypatch.setattr(c, "width", 400)
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert "Traceback" not in text, text
-    return e.value.code, " ".join(text.split())
+forge = run_cli     # one in-process `forge` command: (exit code, output), no traceback
 
 
 def recipe(d, text: str, name: str = "toy-recipe"):

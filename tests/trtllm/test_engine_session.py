@@ -71,7 +71,8 @@ def evaluate_ctx(tmp_path, monkeypatch):
             return " ".join(map(str, ids))
 
     windows = torch.randint(0, fake.VOCAB, (5, 12), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(ev, "TorchReference", Ref)
+    from pipeline.eval import reference
+    monkeypatch.setattr(reference, "TorchReference", Ref)   # evaluate imports it when the stage runs
     monkeypatch.setattr(ev, "windows", lambda ctx, *a: windows)
     monkeypatch.setattr(ev, "model_dir", lambda ctx: tmp_path)
     monkeypatch.setattr(ev, "tokenizer", lambda path: Tok())

@@ -323,28 +323,37 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
         runners.append(runner)
     if not runners:
         return
-    if runners[0].cache.remote is None:
-        raise UsageError(SHARED_CACHE_NEEDED)
-    try:
-        joined = connect(ray_address)
-    except ForgeError as e:     # no cluster: every resolved recipe still leaves its reports
-        for runner in runners:
+
+    def not_started(runs, e: BaseException) -> None:     # whatever stops the cluster run, each recipe reports
+        for runner in runs:
             statuses[runner.recipe.name] = Status.FAILED
             _not_started_reports(runner.recipe, e, 0.0, report_dir)
+
+    if runners[0].cache.remote is None:
+        e = UsageError(SHARED_CACHE_NEEDED)
+        not_started(runners, e)
+        raise e
+    try:
+        joined = connect(ray_address)
+        build = RayBuild(runners, forced, until, keep_going,
+                         on_stage=lambda recipe, res: err.print(
+                             f"  {recipe}/{res.name}: {res.status}"
+                             + (f" on {res.node.get('ip')} ({str(res.node.get('id', ''))[:8]})" if res.node else "")
+                             + (f" — {escape(res.message)}" if res.message else "")
+                             + (f" (log: {escape(res.log)})" if res.log else "")))
+        err.print(f"[bold]forge build --executor ray[/]: {len(runners)} recipe{'s' if len(runners) != 1 else ''} on "
+                  f"{escape(joined)} ({len(build.nodes)} node{'s' if len(build.nodes) != 1 else ''}), "
+                  f"cache {escape(build.cache.location)}")
+        outcomes = build.run()
+    except BaseException as e:   # no cluster, the cluster lost, an interrupt, a bug: no recipe is left without a report
+        not_started(runners, e)
         raise
-    build = RayBuild(runners, forced, until, keep_going,
-                     on_stage=lambda recipe, res: err.print(
-                         f"  {recipe}/{res.name}: {res.status}"
-                         + (f" on {res.node.get('ip')} ({str(res.node.get('id', ''))[:8]})" if res.node else "")
-                         + (f" — {escape(res.message)}" if res.message else "")
-                         + (f" (log: {escape(res.log)})" if res.log else "")))
-    err.print(f"[bold]forge build --executor ray[/]: {len(runners)} recipe{'s' if len(runners) != 1 else ''} on "
-              f"{escape(joined)} ({len(build.nodes)} node{'s' if len(build.nodes) != 1 else ''}), "
-              f"cache {escape(build.cache.location)}")
-    for runner, (results, wall) in zip(runners, build.run()):
+    for runner, (results, wall) in zip(runners, outcomes):
         if results is None:
-            err.print(f"[yellow]{runner.recipe.name}: not finished: a stage of another recipe failed and nothing new "
-                      f"starts after a failure without --keep-going")
+            why = ForgeError("not finished: a stage of another recipe failed and nothing new starts after a failure "
+                             "without --keep-going")
+            err.print(f"[yellow]{runner.recipe.name}: {why}")
+            not_started([runner], why)
             continue
         _finish_recipe(runner.recipe, results, wall, report_dir, statuses, nightly)
 

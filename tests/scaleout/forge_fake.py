@@ -5,6 +5,8 @@ FORGE_TEST_PAUSE_UPLOAD=path: after uploading the first payload file of an entry
     (the test kills the publisher there: uploaded objects, no record).
 FORGE_TEST_BARRIER=dir:n: before creating an entry record, wait until ``n`` processes have reached this point
     (two publishers of one key race for the conditional create).
+FORGE_TEST_RAY_LOST=message: ``--executor ray`` "connects" to no cluster and the run then raises ForgeError(message)
+    (a cluster lost after the driver joined it).
 """
 
 from __future__ import annotations
@@ -58,6 +60,23 @@ if pause or barrier:
             return self._fs.pipe_file(path, data, mode=mode, **kw)
 
     Store.fs = property(lambda self: _Fs(fs_prop.fget(self)))
+
+lost = os.environ.get("FORGE_TEST_RAY_LOST")
+if lost:
+    from pipeline import ray_executor
+    from pipeline.errors import ForgeError
+
+    class _LostBuild:
+        nodes: list = []
+
+        def __init__(self, runners, *a, **kw):
+            self.cache = runners[0].cache
+
+        def run(self):
+            raise ForgeError(lost)
+
+    ray_executor.connect = lambda address: "fake-cluster:6379"
+    ray_executor.RayBuild = _LostBuild
 
 from pipeline import cli  # noqa: E402
 

@@ -230,6 +230,28 @@ def test_unreachable_ray_head_is_a_clear_error(shared):
         err = " ".join(p.stderr.split())
         assert f"cannot reach the Ray head at {address}" in err and "ray start --head" in err, err
         assert "Traceback" not in err
+    # a nightly CI still sees a result: the failed start, with why, and the JUnit file
+    report = m.report("fa")
+    assert report["status"] == "failed"
+    assert [(s["name"], s["status"]) for s in report["stages"]] == [("start", "failed")]
+    assert f"cannot reach the Ray head at {address}" in report["stages"][0]["message"]
+    assert "failures=\"1\"" in (m.cwd / "out" / "fa" / "junit.xml").read_text()
+
+
+def test_a_cluster_lost_mid_run_still_leaves_every_recipes_reports(shared):
+    m = shared.machine("driver", FORGE_TEST_RAY_LOST="the Ray cluster went away (node lost)")
+    fa, fb = shared.recipe("fa"), shared.recipe("fb")
+    p = m.forge("build", fa, fb, "--executor", "ray", check=1, timeout=60)
+    assert "the Ray cluster went away" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    for name in ("fa", "fb"):
+        report = m.report(name)
+        assert (report["status"], report["stages"][0]["name"]) == ("failed", "start")
+        assert "the Ray cluster went away" in report["stages"][0]["message"]
+        assert (m.cwd / "out" / name / "junit.xml").is_file()
+    # no shared store at all: a usage error (exit 2), and still a report per recipe
+    p = m.forge("build", fa, "--executor", "ray", "--report-dir", "out2", check=2, env={"FORGE_CACHE": ""})
+    assert "needs a shared cache" in " ".join(p.stderr.split())
+    assert "needs a shared cache" in " ".join(m.report("fa", out="out2")["stages"][0]["message"].split())
 
 
 @pytest.mark.integration

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,35 @@ def test_malformed_recipe_file(case, tmp_path, capsys, monkeypatch):
     assert code == 2, out
     for frag in expect:
         assert frag in out, out
+
+
+def _laughs(levels: int, width: int) -> str:
+    lines = [f"l0: &l0 [{','.join(['lol'] * width)}]"]
+    lines += [f"l{i}: &l{i} [{','.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def _merge_bomb(levels: int, width: int) -> str:
+    """Each mapping merges the previous one ``width`` times (``<<: [*m, *m, ...]``): PyYAML's merge flattening copies
+    every merged key list, so building it would take width^levels steps."""
+    lines = ["m0: &m0 {a: 1, b: 2}"]
+    lines += [f"m{i}: &m{i} {{<<: [{', '.join([f'*m{i - 1}'] * width)}], k{i}: 1}}" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("text, expect", [
+    (_laughs(10, 10), "values (aliases expanded); a recipe has at most 5000"),
+    (_merge_bomb(7, 10), "values (aliases expanded); a recipe has at most 5000"),
+    (_merge_bomb(60, 2), "nested more than 16 levels"),
+], ids=["billion_laughs", "merge_key_bomb", "deep_merge_chain"])
+def test_yaml_bombs_are_refused_fast(text, expect, tmp_path, capsys, monkeypatch):
+    """10^10 values once aliases are expanded, 10^6 through merge keys, a 60-deep merge chain: refused by counting
+    the composed document, never by building it, and in seconds."""
+    p = recipe(tmp_path, "!" + text)
+    t0 = time.perf_counter()
+    code, out = run_cli(capsys, monkeypatch, "plan", p)
+    assert code == 2 and "r.yaml" in out and expect in out, out
+    assert time.perf_counter() - t0 < 10, "a YAML bomb must be refused in seconds"
 
 
 # plan-time checks that need model facts (bundled config of SmolLM2: widths 576 / 1536)

@@ -6,12 +6,17 @@
   ``no_wrap`` columns (declare names so: keys, paths, hardware classes such as ``cpu:x86_64-avx512vnni``) and the
   longest word of each other column, so no name is cut or ellipsised; the terminal folds the long line instead,
   leaving the name whole in the byte stream.
+- A table's title (often a path: the cache root) is printed as a line of its own: Rich wraps a title to the table's
+  width, which cuts a long path however wide the console is.
 """
 
 from __future__ import annotations
 
+import copy
+
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
+from rich.text import Text
 
 # "no limit" for a log: wide enough that no line forge writes reaches it; Rich pads nothing to this width
 # (tables are not expanded, no rules or panels), so it costs nothing.
@@ -38,7 +43,10 @@ class ForgeConsole(Console):
         self._width, self._height = new_size
 
     def print(self, *objects, **kwargs) -> None:
-        need = max((self._table_min_width(o) for o in objects if isinstance(o, Table)), default=0)
+        titles = [x for o in objects if isinstance(o, Table) for x in _title_apart(o)[:-1]]
+        objects = tuple(x for o in objects for x in _title_apart(o))
+        need = max([self._table_min_width(o) for o in objects if isinstance(o, Table)]
+                   + [t.cell_len for t in titles], default=0)
         if need <= self.width:
             return super().print(*objects, **kwargs)
         kept = self._width
@@ -54,6 +62,17 @@ class ForgeConsole(Console):
         opts = self.options.update(max_width=UNBOUNDED)
         widths = (table._measure_column(self, opts, c) for c in table.columns)
         return table._extra_width + sum(m.maximum if c.no_wrap else m.minimum for m, c in zip(widths, table.columns))
+
+
+def _title_apart(obj) -> tuple:
+    """(title line, the table without it) for a titled table; (obj,) for anything else."""
+    if not isinstance(obj, Table) or not obj.title:
+        return (obj,)
+    untitled = copy.copy(obj)
+    untitled.title = None
+    title = obj.title if isinstance(obj.title, Text) else Text.from_markup(str(obj.title), style="table.title")
+    title.no_wrap = True
+    return title, untitled
 
 
 def make_console(*, stderr: bool = False, **kwargs) -> ForgeConsole:

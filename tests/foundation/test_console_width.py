@@ -110,3 +110,23 @@ def test_report_summary_keeps_long_notes_on_one_line(tmp_path):
     write_reports(report, tmp_path)
     lines = (tmp_path / "summary.txt").read_text().splitlines()
     assert any(note in ln and "evaluate" in ln for ln in lines), lines
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log", "terminal"])
+def test_a_long_cache_root_in_a_table_title_stays_whole(terminal, tmp_path, monkeypatch):
+    """`forge cache ls` titles its table with the cache root: Rich wraps a title to the table's width, which cut a
+    long FORGE_CACHE path in a log (`forge cache ls | cat`) and on a terminal alike."""
+    root = tmp_path / ("x" * 60) / ("y" * 60)
+    monkeypatch.setenv("FORGE_CACHE", str(root))
+    if terminal:
+        c, received = _pty_console(monkeypatch, 80)
+    else:
+        import io
+        monkeypatch.setenv("COLUMNS", "80")
+        c = make_console(file=io.StringIO())
+        received = c.file.getvalue
+    monkeypatch.setattr(cli, "console", c)
+    res = CliRunner().invoke(cli.app, ["cache", "ls"])
+    assert res.exit_code == 0, res.output
+    text = received()
+    assert str(root) in text, text

@@ -6,6 +6,8 @@
   ``no_wrap`` columns (declare names so: keys, paths, hardware classes such as ``cpu:x86_64-avx512vnni``) and the
   longest word of each other column, so no name is cut or ellipsised; the terminal folds the long line instead,
   leaving the name whole in the byte stream.
+- Control characters from user input (an ESC in a file name, a bell, a bidi override) are shown escaped
+  (``\x1b``), never passed to the terminal, wherever they occur in a message or a table cell.
 - A table's title (often a path: the cache root) is printed as a line of its own: Rich wraps a title to the table's
   width, which cuts a long path however wide the console is.
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 from rich.console import Console, ConsoleDimensions
 from rich.table import Table
@@ -21,6 +24,15 @@ from rich.text import Text
 # "no limit" for a log: wide enough that no line forge writes reaches it; Rich pads nothing to this width
 # (tables are not expanded, no rules or panels), so it costs nothing.
 UNBOUNDED = 1 << 16
+
+
+# C0/C1 controls except newline and tab, DEL, and the bidi overrides/isolates that reorder what a terminal shows
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text: str) -> str:
+    """``text`` with every character a terminal would act on written as an escape (``\\x1b``, ``\\u202e``)."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 class ForgeConsole(Console):
@@ -41,6 +53,10 @@ class ForgeConsole(Console):
     @size.setter
     def size(self, new_size) -> None:
         self._width, self._height = new_size
+
+    def render_str(self, text: str, **kwargs):
+        # every str a print or a table cell shows passes here (markup is parsed after, so escapes stay text)
+        return super().render_str(visible(text), **kwargs)
 
     def print(self, *objects, **kwargs) -> None:
         titles = [x for o in objects if isinstance(o, Table) for x in _title_apart(o)[:-1]]

@@ -431,3 +431,17 @@ def test_inherited_sections_of_another_target_are_not_refused(capsys, monkeypatc
     it for its own target, so the tensorrt recipe still resolves."""
     code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", "smollm2-135m-trt-int8")
     assert code == 0, out
+
+
+@pytest.mark.parametrize("make_arg, shown", [
+    (lambda d: recipe(d, "", name="a\x1b[31mred"), "a\\x1b[31mred.yaml"),             # a file that exists
+    (lambda d: d / "gone\x07.yaml", "gone\\x07.yaml"),                                # a bell, no such file
+    (lambda d: recipe(d, "!extends: smollm2-135m-int8\n", name="rtl\u202egnp"), "rtl\\u202egnp"),  # bidi override
+    (lambda d: recipe(d, "!extends: nosuch\n", name="e\x1b]0;owned\x07"), "e\\x1b]0;owned\\x07"),  # a title escape
+], ids=["esc_in_existing_file", "bell_in_missing_file", "bidi_override", "osc_title_sequence"])
+def test_control_characters_in_a_path_are_shown_escaped(make_arg, shown, tmp_path, capsys, monkeypatch):
+    """A file name is user input too: a terminal must never receive its escape sequences (colours, a window title,
+    reordered text), and the name is still recognisable in the message."""
+    code, out = run_cli(capsys, monkeypatch, "plan", make_arg(tmp_path))
+    assert not any(c in out for c in "\x1b\x07\u202e"), ascii(out)
+    assert shown in out, ascii(out)

@@ -224,7 +224,7 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
                       nightly)
     for name in recipes if executor == "local" else []:
         t0 = time.perf_counter()
-        shown = name if len(name) <= 80 else name[:77] + "..."
+        shown = _shown(name)
         r = None
         try:
             r = _resolve(name, set_)
@@ -247,9 +247,14 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
         _write_safely(lambda: write_summary(statuses, report_dir))
         t = Table("recipe", "status", title="nightly summary")
         for k, v in statuses.items():
-            t.add_row(escape(k), v)
+            t.add_row(escape(_shown(k)), v)
         console.print(t)
     raise typer.Exit(exit_code(statuses.values()))
+
+
+def _shown(name: str) -> str:
+    """A recipe argument as messages show it: a garbage argument of kilobytes is cut (files keep it whole)."""
+    return name if len(name) <= 80 else name[:77] + "..."
 
 
 def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path, r=None,
@@ -260,11 +265,11 @@ def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, re
     from .report import invalid_report, report_dir_name, write_reports
     if isinstance(e, UsageError):
         err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
-        statuses[shown] = Status.INVALID
+        statuses[name] = Status.INVALID      # the name as given, whole: summary.json keys are never cut
         _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
     else:
         err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-        statuses[r.name if r is not None else shown] = Status.FAILED
+        statuses[r.name if r is not None else name] = Status.FAILED
         _not_started_reports(r, e, wall_s, report_dir)
 
 
@@ -304,7 +309,7 @@ def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ra
     from .runner import Runner
     runners, forced = [], {}
     for name in recipes:
-        shown = name if len(name) <= 80 else name[:77] + "..."
+        shown = _shown(name)
         r = None
         try:
             r = _resolve(name, set_)

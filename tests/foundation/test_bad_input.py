@@ -264,6 +264,15 @@ def test_build_of_bad_recipes_writes_reports_and_summary(tmp_path, capsys, monke
     assert "<failure" in (tmp_path / "rep" / "nosuchrecipe" / "junit.xml").read_text()
 
 
+def test_long_recipe_arguments_are_whole_in_the_summary(tmp_path, capsys, monkeypatch):
+    """Two bad names of 200 characters that differ only at the end: each keeps its own whole entry in summary.json
+    (a name cut for the screen once merged them into one key, "...")."""
+    a, b = "n" * 199 + "a", "n" * 199 + "b"
+    code, out = run_cli(capsys, monkeypatch, "build", a, b, "--keep-going", "--report-dir", "rep")
+    assert code == 2, out
+    assert json.loads((tmp_path / "rep" / "summary.json").read_text()) == {a: "invalid", b: "invalid"}
+
+
 def test_cache_commands_survive_garbage(tmp_path, capsys, monkeypatch):
     from pipeline.cache import ArtifactCache
     c = ArtifactCache(tmp_path / "cache")

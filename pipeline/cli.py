@@ -694,14 +694,18 @@ def serve(recipe_or_repo: str, port: int = typer.Option(8000, "--port", help="HT
                           markup=False, soft_wrap=True)
             while srv.alive():
                 time.sleep(0.5)
+            died = (srv.proc.poll() if srv.proc is not None else None, srv.log_path, srv.log_tail())
     except KeyboardInterrupt:   # also while starting: TritonServer stops what it started
         err.print("stopping tritonserver ...")
         interrupted = True
     else:
         interrupted = False
-    err.print("tritonserver stopped")
     if interrupted:
+        err.print("tritonserver stopped")
         raise typer.Exit(EXIT_INTERRUPTED)     # Ctrl-C / kill: 130 like every command (README)
+    rc, log, tail = died                       # nobody asked it to stop: a failure, with the server's last words
+    raise ForgeError(f"tritonserver exited on its own (exit code {rc}) while serving {repo}; its log "
+                     f"{log}{' (removed: it exited 0)' if rc == 0 else ''} ends:\n{tail}")
 
 
 def _package_of(recipe: str, set_) -> Path:

@@ -103,8 +103,20 @@ def test_history_machine_class_is_the_isa_class_of_the_cache_keys(isa, monkeypat
     monkeypatch.setattr(cpu, "cpu_isa", lambda: {"class": isa, "flags": ["amx_int8"], "source": "emulated"})
     monkeypatch.setattr(facts, "gpus", lambda: ({}, []))
     assert facts.machine_class(facts.machine_facts()) == isa
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert "amx_int8`" not in readme
+
+
+
+def test_docs_name_only_isa_classes_that_exist():
+    """Every ISA class the README and docs/ name is one forge's keys and reports use (README once named
+    `x86_64-amx_int8`, a CPU flag, not a class)."""
+    import re
+
+    from pipeline.host.cpu import ISA_CLASSES
+    root = Path(__file__).resolve().parents[2]
+    named = {(f.name, m) for f in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+             for m in re.findall(r"\b(?:x86_64|aarch64)-[A-Za-z0-9_]+", f.read_text())}
+    assert named, "no ISA class named in README/docs: the check reads nothing"
+    assert {(f, m) for f, m in named if m not in ISA_CLASSES} == set()
 
 
 def _closed_port() -> int:

@@ -40,7 +40,8 @@ from pathlib import Path
 from .cache import ArtifactCache, make_key
 from .errors import ForgeError, UsageError
 from .hardware import ISA_RESOURCE_PREFIX, isa_resource, sm_resource
-from .runner import Runner, StageResult
+from .runner import Runner
+from .stage_walk import StageResult, StageWalk
 
 MAX_RETRIES = 3                          # Ray re-runs a task whose worker or node died this many times
 LOCAL_OBJECT_STORE_BYTES = 100 * 2**20   # a cluster started for one build: results are small, artifacts go via S3
@@ -187,17 +188,8 @@ def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool
 @dataclass
 class _Recipe:
     runner: Runner
-    forced: set
-    until: str | None
-    results: dict            # stage name -> StageResult
-    upstream: dict           # stage name -> {"key", "digest", "metrics"} of stages that hit or were built
-    waiting: set             # stage names submitted, result not back yet
-    stopped: bool = False    # a stage failed (or --until reached): later stages are skipped, as locally
+    walk: StageWalk          # what may start, what is skipped: the same walk the local executor takes
     wall_s: float = 0.0      # from the start of the run to this recipe's last result
-
-    @property
-    def done(self) -> bool:
-        return len(self.results) == len(self.runner.stages)
 
 
 class RayBuild:
@@ -210,14 +202,19 @@ class RayBuild:
         if self.cache.remote is None:
             raise UsageError(SHARED_CACHE_NEEDED)
         self.url = self.cache.remote.url
-        self.recipes = [_Recipe(r, forced.get(r.recipe.name, set()), until, {}, {}, set()) for r in runners]
-        self.keep_going = keep_going
         self.on_stage = on_stage or (lambda recipe, res: None)
+        self.recipes = [self._recipe(r, forced.get(r.recipe.name, set()), until) for r in runners]
+        self.keep_going = keep_going
         self.task = self.ray.remote(run_stage_task)
         self.nodes = cluster_nodes()
         self.by_ref: dict = {}           # ObjectRef -> (key, [(recipe state, stage)])
         self.by_key: dict = {}           # key -> ObjectRef (a key two recipes share runs once)
         self.halted = False              # a failure without --keep-going: nothing new is submitted
+
+    def _recipe(self, runner: Runner, forced: set, until: str | None) -> _Recipe:
+        st = _Recipe(runner, StageWalk(runner.stages, forced, until))
+        st.walk.on_result = lambda res: self._finished(st, res)
+        return st
 
     def run(self) -> list[tuple[list[StageResult] | None, float]]:
         """(results in stage order, wall seconds) per recipe in the order given; results None for a recipe cut
@@ -239,11 +236,10 @@ class RayBuild:
                     pass
             raise
         for st in self.recipes:
-            if st.done:
+            if st.walk.done:
                 for s in st.runner.stages:
-                    self._localise(s, st.results[s.name])
-        return [([st.results[s.name] for s in st.runner.stages] if st.done else None, st.wall_s)
-                for st in self.recipes]
+                    self._localise(s, st.walk.results[s.name])
+        return [(st.walk.in_order() if st.walk.done else None, st.wall_s) for st in self.recipes]
 
     def _localise(self, stage, res: StageResult) -> None:
         """Point the result at this machine: a worker's payload path lies in that node's FORGE_HOME. What hands
@@ -258,65 +254,50 @@ class RayBuild:
             res.message = (res.message + "; " if res.message else "") + f"not fetched to this machine: {e}"
         res.payload = str(entry.payload) if entry is not None else self.cache.remote.record_url(res.key)
 
-    def _finish(self, st: _Recipe, res: StageResult, digest: str | None = None) -> None:
-        st.results[res.name] = res
-        st.waiting.discard(res.name)
-        if res.status in ("hit", "built") and digest:
-            st.upstream[res.name] = {"key": res.key, "digest": digest, "metrics": res.metrics}
-        if res.status == "failed":
-            st.stopped = True
-            if not self.keep_going:
-                self.halted = True
-        if st.until and res.name == st.until:
-            st.stopped = True
-        if st.done:
+    def _finished(self, st: _Recipe, res: StageResult) -> None:
+        if res.status == "failed" and not self.keep_going:
+            self.halted = True
+        if st.walk.done:
             st.wall_s = time.perf_counter() - self.t0
         self.on_stage(st.runner.recipe.name, res)
 
     def _advance(self, st: _Recipe) -> None:
-        r, runner = st.runner.recipe, st.runner
-        for s in runner.stages:
-            if s.name in st.results or s.name in st.waiting:
-                continue
-            if st.stopped:
-                self._finish(st, StageResult(s.name, "skipped", message="after --until" if st.until else
-                                             "upstream did not complete"))
-                continue
-            if any(n not in st.results for n in s.needs):
-                continue                    # runs when what it needs is back
-            if any(n not in st.upstream for n in s.needs):
-                self._finish(st, StageResult(s.name, "skipped", message="upstream did not complete"))
-                continue
+        r, runner, walk = st.runner.recipe, st.runner, st.walk
+        known = -1
+        while len(walk.results) != known:   # a hit makes the stages after it ready at once
+            known = len(walk.results)
+            self._start_ready(st, r, runner, walk)
+
+    def _start_ready(self, st: _Recipe, r, runner: Runner, walk: StageWalk) -> None:
+        for s in walk.ready():
             if self.halted:
                 return                      # not started: another recipe failed (no --keep-going)
-            digests = {n: u["digest"] for n, u in st.upstream.items()}
-            comps = s.components(r, runner.home, digests)
+            comps = s.components(r, runner.home, walk.digests())
             key = make_key(comps)
-            forced = s.name in st.forced
+            forced = s.name in walk.forced
             if not forced:
                 state, meta, found = self.cache.lookup(key)
                 if state == "hit":
                     if found == "local":    # only the driver has it: publish it, workers fetch from the store
                         self.cache.get(key)
-                    self._finish(st, StageResult(s.name, "hit", key, metrics=meta.get("metrics", {}),
-                                                 payload=self.cache.remote.record_url(key)), meta["payload_digest"])
+                    walk.finish(StageResult(s.name, "hit", key, metrics=meta.get("metrics", {}),
+                                            payload=self.cache.remote.record_url(key)), meta["payload_digest"])
                     continue
             missing, _ = place(s, r, self.nodes)
             if missing:
-                self._finish(st, StageResult(s.name, "cannot-run-here", key, message=missing))
+                walk.finish(StageResult(s.name, "cannot-run-here", key, message=missing))
                 continue
+            walk.start(s.name)
             if key in self.by_key and not forced:
                 self.by_ref[self.by_key[key]][1].append((st, s.name))
-                st.waiting.add(s.name)
                 continue
             res = s.ray_resources(r)
             ref = self.task.options(num_cpus=res.get("num_cpus", 1), num_gpus=res.get("num_gpus", 0),
                                     resources=res.get("resources") or None, max_retries=MAX_RETRIES,
                                     retry_exceptions=False, name=f"forge:{r.name}:{s.name}") \
-                .remote(r, runner.stages, s.name, dict(st.upstream), forced, self.url, str(s.hardware(r)))
+                .remote(r, runner.stages, s.name, dict(walk.upstream), forced, self.url, str(s.hardware(r)))
             self.by_key[key] = ref
             self.by_ref[ref] = (key, [(st, s.name)])
-            st.waiting.add(s.name)
 
     def _collect(self, ref) -> None:
         key, waiters = self.by_ref.pop(ref)
@@ -339,7 +320,7 @@ class RayBuild:
             if log_text is not None:
                 res.log = self._write_log(st.runner, name, log_text)
             first = False
-            self._finish(st, res, digest)
+            st.walk.finish(res, digest)
 
     @staticmethod
     def _write_log(runner: Runner, stage: str, text: str) -> str | None:

@@ -20,7 +20,7 @@ from .host.cpu import cpu_facts, cpu_model
 from .host.files import atomic_write
 from .hashing import sha256_json
 from .recipe import Recipe
-from .runner import StageResult
+from .stage_walk import StageResult
 from .status import Status, overall
 
 def machine() -> dict:

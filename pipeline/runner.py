@@ -15,6 +15,7 @@ from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageEr
 from .modelinfo import ModelInfo
 from .recipe import Recipe
 from .stages import flow_for
+from .stage_walk import StageResult, StageWalk, forced_stages
 from .stages.base import Stage, StageContext
 from .status import Status
 
@@ -28,23 +29,6 @@ class StagePlan:
     components: dict | None = None
     changed: list[str] = field(default_factory=list)
     where: str = ""             # --executor ray: the nodes that could run it
-
-
-@dataclass
-class StageResult:
-    name: str
-    status: Status              # HIT | BUILT | FAILED | CANNOT_RUN_HERE | SKIPPED
-    key: str | None = None
-    duration_s: float = 0.0
-    peak_rss_mb: float = 0.0
-    metrics: dict = field(default_factory=dict)
-    message: str = ""
-    payload: str | None = None
-    error_type: str = ""        # a failure's exception type (StageFailed for a gate or check that said no)
-    log: str | None = None      # a failure's log: message, traceback, stage and key
-    components: dict | None = None  # the stage's key components (run history: what changed between nights)
-    node: dict = field(default_factory=dict)    # --executor ray: the node it ran on (id, ip, host)
-    source: str = ""            # a hit: where its entry was found, "local" or the shared store's URL
 
 
 class _InputsCorrupt(Exception):
@@ -169,10 +153,7 @@ class Runner:
         before anything runs; any failure of a stage after that is a failed StageResult (never an exception),
         except an interrupt."""
         self.check_stage_args(from_stage, until, force)
-        names = self.stage_names()
-        forced = set(force)
-        if from_stage:
-            forced |= set(names[names.index(from_stage):])
+        forced = forced_stages(self.stage_names(), from_stage, force)
         problems = self.plan_problems()
         if problems:
             raise RecipeError(problems)
@@ -185,51 +166,36 @@ class Runner:
             return self._build_once(forced, until, on_stage, retry=True)
 
     def _build_once(self, forced: set[str], until: str | None, on_stage, retry: bool = False) -> list[StageResult]:
-        results: list[StageResult] = []
-        digests: dict[str, str] = {}
+        """The local executor: the walk's ready stages run here, one at a time, in flow order."""
+        walk = StageWalk(self.stages, forced, until, on_result=on_stage)
         payloads: dict[str, Path] = {}
-        metrics: dict[str, dict] = {}
-        keys: dict[str, str] = {}
         self._components: dict[str, dict] = {}
         self._pending, self._found = {}, {}
-        stop = False
-        for s in self.stages:
-            if stop:
-                results.append(StageResult(s.name, Status.SKIPPED, message="after --until" if until else "upstream did not complete"))
-                continue
-            if any(n not in digests for n in s.needs):
-                results.append(StageResult(s.name, Status.SKIPPED, message="upstream did not complete"))
-                continue
+        while (s := walk.next()) is not None:
             try:
-                res = self._run_stage(s, digests, payloads, metrics, s.name in forced,
-                                      {n: keys[n] for n in s.needs}, retry)
+                res = self._run_stage(s, walk.digests(), payloads, walk.metrics(), s.name in forced,
+                                      walk.keys(s.needs), retry)
             except _InputsCorrupt:
                 if on_stage:
                     on_stage(StageResult(s.name, Status.SKIPPED, message="an input changed on disk since it was cached: "
                                                                     "set aside, rebuilding it"))
                 raise
             res.components = self._components.get(s.name)
-            results.append(res)
-            if on_stage:
-                on_stage(res)
+            digest = None
             if res.status in (Status.HIT, Status.BUILT):
                 try:
                     found = self._found.get(res.key) if res.status == Status.HIT else None
                     if found is not None and found.entry is None:   # in the shared store: fetched when needed
-                        digests[s.name] = found.meta["payload_digest"]
+                        digest = found.meta["payload_digest"]
                         self._pending[s.name] = res.key
                     else:
                         entry = found.entry if found is not None else self.cache.get(res.key, verify=False)
-                        digests[s.name] = entry.meta["payload_digest"]
+                        digest = entry.meta["payload_digest"]
                         payloads[s.name] = entry.payload
-                    metrics[s.name] = res.metrics
-                    keys[s.name] = res.key
                 except Exception as e:      # the entry vanished or is unreadable right after use
-                    results[-1] = self._failed(s, res.key, 0.0, 0.0, e)
-            if results[-1].status == Status.FAILED:
-                stop = True
-            if until and s.name == until:
-                stop = True
+                    res = self._failed(s, res.key, 0.0, 0.0, e)
+            walk.finish(res, digest)
+        results = walk.in_order()
         self._fetch_outputs(results, payloads, retry)
         return results
 

@@ -131,7 +131,7 @@ def check(history: History | None, recipe, tonight: Run, unavailable: str = ""):
 
     status failed: a rule was broken (exit 1); built: every comparable rule held; skipped: nothing to
     compare (no history, no earlier good night, nothing measured)."""
-    from ..runner import StageResult
+    from ..stage_walk import StageResult
     rules = recipe.validate_.regression
     if not rules.active():
         return None

@@ -99,7 +99,7 @@ def recipes_resolve(name: str, set_: Optional[List[str]] = SetOpt):
 
 # ------------------------------------------------------------------ plan / build
 def _plan_table(runner, plans, where: bool = False) -> Table:
-    t = Table(title=f"plan: {runner.recipe.name} [{runner.recipe.build.target}]")
+    t = Table(title=escape(f"plan: {runner.recipe.name} [{runner.recipe.build.target}]"))
     for name in ("stage", "status", "key", "hardware"):
         t.add_column(name, no_wrap=True)   # names are never cut (pipeline/console.py)
     t.add_column("why")
@@ -175,14 +175,6 @@ def _print_memory_brief(runner) -> None:
         err.print(f"memory plan not shown: {escape(str(e))}")
 
 
-def _link(dest: Path, target: str | None) -> None:
-    from .host.files import atomic_symlink
-    if target and Path(target).is_dir():    # --executor ray: the entry may lie only in the shared store
-        atomic_symlink(dest, target)
-    elif dest.is_symlink():                 # not on this machine: no link, rather than last run's
-        dest.unlink()
-
-
 @app.command()
 def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (several for nightly runs)"),
           set_: Optional[List[str]] = SetOpt,
@@ -197,15 +189,12 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
                                       "is otherwise trusted while its files keep size and mtime): for nightlies")):
     """Build recipes: run every stage that is not cached, then validate and package; each night is recorded in
     the run history and checked against the recipe's regression rules (validate.regression)."""
+    from .build_run import BuildRun
     from .history import Nightly
-    from .report import write_summary
-    from .runner import Runner
     _check_executor(executor, cache_offline)
     if verify and executor == "ray":
         raise UsageError("--verify with --executor ray: not supported yet; run the nightly with --executor local "
                          "--verify (or without --verify on Ray)")
-    nightly = Nightly(history_db, warn=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}"))
-    statuses: dict[str, str] = {}
     opened: dict = {}
 
     def cache():
@@ -213,162 +202,16 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
             opened["cache"] = _open_cache(cache_offline)
         return opened["cache"]
 
-    def on_stage(res):
-        note = f" — {escape(res.message)}" if res.message else ""
-        log = f" (log: {escape(res.log)})" if res.log else ""
-        where = f" ({escape(res.source)})" if res.source and res.source != "local" else ""
-        err.print(f"  {res.name}: {res.status}{where}{note}{log}")
-
+    run = BuildRun(overrides=set_, from_stage=from_, until=until, force=force, keep_going=keep_going,
+                   report_dir=report_dir, cache=cache, verify=verify, out=console, err=err,
+                   nightly=Nightly(history_db, warn=lambda m: err.print(f"[yellow]warning:[/] {escape(m)}")))
     if executor == "ray":
-        _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ray_address, cache, statuses,
-                      nightly)
-    for name in recipes if executor == "local" else []:
-        t0 = time.perf_counter()
-        shown = _shown(name)
-        r = None
-        try:
-            r = _resolve(name, set_)
-            runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs", verify=verify)
-            runner.check_stage_args(from_, until, set(force or []))
-            err.print(f"[bold]forge build {r.name}[/] (target {r.build.target}, cache {escape(runner.cache.location)})")
-            results = runner.build(from_stage=from_, until=until, force=set(force or []), on_stage=on_stage)
-        except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir, r, time.perf_counter() - t0)
-            if not keep_going:
-                break
-            continue
-        except Exception as e:      # a bug: main() says so; the resolved recipe still leaves its reports
-            _not_started_reports(r, e, time.perf_counter() - t0, report_dir)
-            raise
-        _finish_recipe(r, results, time.perf_counter() - t0, report_dir, statuses, nightly)
-        if statuses[r.name] == Status.FAILED and not keep_going:
-            break
-    if len(recipes) > 1:
-        _write_safely(lambda: write_summary(statuses, report_dir))
-        t = Table("recipe", "status", title="nightly summary")
-        for k, v in statuses.items():
-            t.add_row(escape(_shown(k)), v)
-        console.print(t)
-    raise typer.Exit(exit_code(statuses.values()))
-
-
-def _shown(name: str) -> str:
-    """A recipe argument as messages show it: a garbage argument of kilobytes is cut (files keep it whole)."""
-    return name if len(name) <= 80 else name[:77] + "..."
-
-
-def _recipe_not_started(e: ForgeError, name: str, shown: str, statuses: dict, report_dir: Path, r=None,
-                        wall_s: float = 0.0) -> None:
-    """A recipe that could not start: bad recipe or arguments (status invalid, exit 2, an invalid report) or a
-    problem outside any stage (the shared store cannot be opened, a full disk: failed, with a failed report when
-    the recipe resolved, so a nightly CI sees a result)."""
-    from .report import invalid_report, report_dir_name, write_reports
-    if isinstance(e, UsageError):
-        err.print(f"[red]{escape(shown)}: bad recipe or arguments:[/]\n{escape(str(e))}")
-        statuses[name] = Status.INVALID      # the name as given, whole: summary.json keys are never cut
-        _write_safely(lambda: write_reports(invalid_report(name, e), report_dir / report_dir_name(name)))
+        run.ray(recipes, ray_address)
     else:
-        err.print(f"[red]{escape(shown)}:[/] {escape(str(e))}")
-        statuses[r.name if r is not None else name] = Status.FAILED
-        _not_started_reports(r, e, wall_s, report_dir)
-
-
-def _not_started_reports(r, e: BaseException, wall_s: float, report_dir: Path) -> None:
-    from .report import not_started_report, write_reports
-    if r is not None:
-        _write_safely(lambda: write_reports(not_started_report(r, e, wall_s), report_dir / r.name))
-
-
-def _finish_recipe(r, results, wall_s: float, report_dir: Path, statuses: dict, nightly) -> None:
-    """Regression rules, reports, history, links and the outcome of one built recipe (either executor)."""
-    from .report import build_report, overall_status, write_reports
-    results += nightly.check(r, results)   # regression rules vs the last good night (never cached)
-    report = build_report(r, results, wall_s)
-    out = report_dir / r.name
-    nightly.record(r, report, out / "report.json")
-    _write_safely(lambda: write_reports(report, out, console))
-    by_name = {x.name: x for x in results}
-    if "build" in by_name:
-        _write_safely(lambda: _link(out / "engine", by_name["build"].payload))
-    if "build_deploy" in by_name:     # tensorrt_llm: the engine without context logits, the one packaged
-        _write_safely(lambda: _link(out / "engine_deploy", by_name["build_deploy"].payload))
-    if "package" in by_name:
-        _write_safely(lambda: _link(out / "triton_repo", by_name["package"].payload))
-    statuses[r.name] = overall_status(results)
-    for x in results:
-        if x.status == Status.CANNOT_RUN_HERE:
-            err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
-            break
-
-
-def _build_on_ray(recipes, set_, from_, until, force, keep_going, report_dir, ray_address, cache, statuses,
-                      nightly) -> None:
-    """--executor ray: resolve and check every recipe here, run their stages on the cluster at once, then write
-    each recipe's reports as the local executor does."""
-    from .ray_executor import SHARED_CACHE_NEEDED, RayBuild, connect
-    from .runner import Runner
-    runners, forced = [], {}
-    for name in recipes:
-        shown = _shown(name)
-        r = None
-        try:
-            r = _resolve(name, set_)
-            runner = Runner(r, cache(), log_dir=report_dir / r.name / "logs")
-            runner.check_stage_args(from_, until, set(force or []))
-            problems = runner.plan_problems()
-            if problems:
-                raise RecipeError(problems)
-        except ForgeError as e:
-            _recipe_not_started(e, name, shown, statuses, report_dir, r if not isinstance(e, UsageError) else None)
-            if not keep_going:
-                return
-            continue
-        names = runner.stage_names()
-        forced[r.name] = set(force or []) | (set(names[names.index(from_):]) if from_ else set())
-        runners.append(runner)
-    if not runners:
-        return
-
-    def not_started(runs, e: BaseException) -> None:     # whatever stops the cluster run, each recipe reports
-        for runner in runs:
-            statuses[runner.recipe.name] = Status.FAILED
-            _not_started_reports(runner.recipe, e, 0.0, report_dir)
-
-    if runners[0].cache.remote is None:
-        e = UsageError(SHARED_CACHE_NEEDED)
-        not_started(runners, e)
-        raise e
-    try:
-        joined = connect(ray_address)
-        build = RayBuild(runners, forced, until, keep_going,
-                         on_stage=lambda recipe, res: err.print(
-                             f"  {recipe}/{res.name}: {res.status}"
-                             + (f" on {res.node.get('ip')} ({str(res.node.get('id', ''))[:8]})" if res.node else "")
-                             + (f" — {escape(res.message)}" if res.message else "")
-                             + (f" (log: {escape(res.log)})" if res.log else "")))
-        err.print(f"[bold]forge build --executor ray[/]: {len(runners)} recipe{'s' if len(runners) != 1 else ''} on "
-                  f"{escape(joined)} ({len(build.nodes)} node{'s' if len(build.nodes) != 1 else ''}), "
-                  f"cache {escape(build.cache.location)}")
-        outcomes = build.run()
-    except BaseException as e:   # no cluster, the cluster lost, an interrupt, a bug: no recipe is left without a report
-        not_started(runners, e)
-        raise
-    for runner, (results, wall) in zip(runners, outcomes):
-        if results is None:
-            why = ForgeError("not finished: a stage of another recipe failed and nothing new starts after a failure "
-                             "without --keep-going")
-            err.print(f"[yellow]{runner.recipe.name}: {why}")
-            not_started([runner], why)
-            continue
-        _finish_recipe(runner.recipe, results, wall, report_dir, statuses, nightly)
-
-
-def _write_safely(write) -> None:
-    """Reports are written whatever happened; a report that cannot be written (full disk) is said, not raised."""
-    try:
-        write()
-    except OSError as e:
-        err.print(f"[red]could not write a report:[/] {escape(str(e))}")
+        run.local(recipes)
+    if len(recipes) > 1:
+        run.summary()
+    raise typer.Exit(exit_code(run.statuses.values()))
 
 
 # ------------------------------------------------------------------ history

@@ -50,6 +50,7 @@ class Stage:
     tools: tuple[str, ...] = ()         # tools (pipeline.host.tools.TOOLS labels) whose versions enter the key
     hands_off: bool = False             # its payload leaves the cache (a package): inputs verified in full first
     section: str = ""                   # the recipe section that is its whole config, e.g. "build.onnxruntime"
+    out_link: str = ""                  # forge build links out/<recipe>/<out_link> to its payload (engine, triton_repo)
 
     def config(self, r: Recipe) -> dict:
         """The slice of the resolved recipe that determines this stage's output (``section``, by default)."""

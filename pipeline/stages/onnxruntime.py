@@ -150,6 +150,7 @@ class OrtQuantize(Stage):
 class OrtBuildStage(CudaAware, Stage):
     """ONNX Runtime graph optimisations applied and saved, session options recorded."""
     name = "build"
+    out_link = "engine"
     version = "2"   # 2: fp16 (CUDA) graphs with fused RMSNorms and packed QKV (the fp16 norm-statistics overflow)
     needs = ("quantize", "source")
     tools = ORT_TOOLS

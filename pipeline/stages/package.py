@@ -18,6 +18,7 @@ class PackageStage(Stage):
     """Writes the repository (``write_repository``, per target) and its manifest; its payload leaves the cache, so
     its inputs are re-hashed in full before it runs (``hands_off``)."""
     name = "package"
+    out_link = "triton_repo"
     needs = ("build", "validate", "evaluate", "source")
     hands_off = True
 

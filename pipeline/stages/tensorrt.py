@@ -87,6 +87,7 @@ class QdqValidate(ValidateStage):
 
 class TensorrtBuildStage(GpuStage):
     name = "build"
+    out_link = "engine"
     version = "2"   # 2: Polygraphy, strongly typed QDQ graph, context + generation profiles
     needs = ("quantize", "validate_qdq")
     tools = ("tensorrt", "polygraphy")

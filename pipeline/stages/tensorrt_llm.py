@@ -174,6 +174,7 @@ def memory_problems(r, info, found=None) -> list[str]:
 class TrtllmBuildStage(OnTrtllmGpu, Stage):
     """trtllm-build per rank with plugins, timing cache from/to the cache."""
     name = "build"
+    out_link = "engine"
     version = "1"
     needs = ("checkpoint", "validate_checkpoint")
     tools = TRTLLM_TOOLS
@@ -221,6 +222,7 @@ class TrtllmBuildDeploy(TrtllmBuildStage):
     """The engine Triton serves: the same checkpoint and trtllm-build arguments as ``build`` except
     ``--gather_context_logits`` (validate runs on ``build``, which returns context logits)."""
     name = "build_deploy"
+    out_link = "engine_deploy"
     version = "1"
 
     def config(self, r):

@@ -73,6 +73,7 @@ class ToyQuantize(Stage):
 
 class ToyPackage(Stage):
     name = "package"
+    out_link = "triton_repo"        # forge build links out/<recipe>/triton_repo here
     needs = ("quantize",)
     hands_off = True
 

@@ -131,6 +131,7 @@ class Package(Stage):
     name = "package"
     needs = ("engine",)
     hands_off = True
+    out_link = "triton_repo"
 
     def config(self, r):
         return {"options": r.quantize.options}

@@ -158,7 +158,7 @@ def test_the_in_process_fallback_advertises_this_machines_hardware(monkeypatch):
 
 
 def test_an_output_not_on_this_machine_leaves_no_stale_link(tmp_path):
-    from pipeline.cli import _link
+    from pipeline.build_run import link as _link
     old, dest = tmp_path / "old-engine", tmp_path / "out" / "engine"
     old.mkdir()
     dest.parent.mkdir()

@@ -127,6 +127,7 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
     """Show every stage as hit / miss / cannot-run-here, and why, without running anything (with --executor ray:
     which nodes of the cluster could run each stage)."""
     from .runner import Runner
+    from .target_registry import get as target
     _check_executor(executor, cache_offline)
     r = _resolve(recipe, set_)
     runner = Runner(r, _open_cache(cache_offline))
@@ -149,30 +150,11 @@ def plan(recipe: str, set_: Optional[List[str]] = SetOpt,
              "reason": p.reason, "changed": p.changed, **({"where": p.where} if placement else {})} for p in plans]}))
     else:
         console.print(_plan_table(runner, plans, where=placement is not None))
-        if not problems:
-            _print_memory_brief(runner)
+        notes = target(r.build.target).plan_notes
+        if notes and not problems:      # what the target adds to a plan (TensorRT-LLM: prompt limit, GPU memory)
+            notes(r, runner.model_info(), console)
     if problems:
         raise RecipeError(problems)
-
-
-def _print_memory_brief(runner) -> None:
-    if runner.recipe.build.target != "tensorrt_llm":
-        return
-    from .trtllm.build_config import prompt_limit
-    b = runner.recipe.build.tensorrt_llm
-    lim, ignored = prompt_limit(b.model_dump())
-    if ignored:    # trtllm-build warns and ignores it; say what the runtime will accept instead
-        console.print(f"prompt limit: {lim} tokens = min(max_seq_len - 1, max_num_tokens); "
-                      f"build.tensorrt_llm.max_input_len {b.max_input_len} is ignored "
-                      f"(remove_input_padding + context_fmha)")
-    try:
-        from .memory import plan_for_recipe, render_memory
-        info = runner.model_info()
-        if info is not None:
-            plan_, verdicts = plan_for_recipe(runner.recipe, info, None)
-            render_memory(plan_, verdicts, console)
-    except ForgeError as e:
-        err.print(f"memory plan not shown: {escape(str(e))}")
 
 
 @app.command()

@@ -51,6 +51,8 @@ class Target:
     # a key this target reads under another spelling: quantize.<key> -> its home, quantize.options.<opt> -> its home
     moved_section_keys: Mapping[str, str] = field(default_factory=dict)
     moved_options: Mapping[str, str] = field(default_factory=dict)
+    # what `forge plan` shows after the stage table: (recipe, model facts or None, console) -> None
+    plan_notes: Callable[[object, object, object], None] | None = None
 
     @property
     def algos(self) -> tuple[str, ...]:

@@ -53,6 +53,27 @@ class TrtllmBuild(Section):
 # the quantize-section keys ModelOpt's configs read per algo (pipeline/quant/configs.modelopt_config)
 _SECTION_KEYS = {"int8_sq": ("alpha",), "int4_wo": ("block_size",), "int4_awq": ("block_size",)}
 
+def plan_notes(recipe, info, console) -> None:
+    """The prompt limit the runtime will accept, and the per-rank GPU memory plan (docs/trtllm-memory.md)."""
+    from rich.markup import escape
+
+    from ..errors import ForgeError
+    from ..memory import plan_for_recipe, render_memory
+    from ..trtllm.build_config import prompt_limit
+    b = recipe.build.tensorrt_llm
+    lim, ignored = prompt_limit(b.model_dump())
+    if ignored:    # trtllm-build warns and ignores it; say what the runtime will accept instead
+        console.print(f"prompt limit: {lim} tokens = min(max_seq_len - 1, max_num_tokens); "
+                      f"build.tensorrt_llm.max_input_len {b.max_input_len} is ignored "
+                      f"(remove_input_padding + context_fmha)")
+    try:
+        if info is not None:
+            plan_, verdicts = plan_for_recipe(recipe, info, None)
+            render_memory(plan_, verdicts, console)
+    except ForgeError as e:
+        console.print(f"memory plan not shown: {escape(str(e))}")
+
+
 TARGET = register(Target(
     name="tensorrt_llm",
     section=TrtllmBuild,
@@ -66,4 +87,5 @@ TARGET = register(Target(
     qat=True,
     # ModelOpt's torch quantizer reads SmoothQuant's strength from the quantize section
     moved_options={"smoothquant_alpha": "quantize.alpha", "block_size": "quantize.block_size"},
+    plan_notes=plan_notes,
 ))

@@ -66,7 +66,9 @@ bench: setup
 # serving under load: `forge serve` driven by tritonclient over HTTP and gRPC at concurrency 1/4/16 (bench/serve.py;
 # docs/serving.md); exits 1 on any error or answer that differs from the validated greedy tokens
 bench-serve: setup
-	$(BIN)/python -m bench.serve --out bench/out
+	@# a recorded night (forge build) is what the figures attach to: the bench serves that night's package
+	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 --report-dir out --keep-going
+	$(BIN)/python -m bench.serve smollm2-135m-fp32 smollm2-135m-int8 --from-reports out --out bench/out
 	$(BIN)/forge history add-bench bench/out/serve.json
 
 # GPU: FP32/FP16/INT4/INT8-weight-only CUDA engines, CUDA graphs on/off, ORT GenAI CUDA int4, PyTorch eager fp16 (bench/gpu.py)

@@ -129,23 +129,39 @@ def stop(p: subprocess.Popen) -> None:
             p.wait()
 
 
-def bench_recipe(recipe: str, levels: list[int], requests: int, protos: list[str], out: Path, port: int) -> dict:
+def built_payloads(recipe: str, reports: Path) -> dict[str, str] | str:
+    """{stage: payload path} of the night `forge build RECIPE --report-dir REPORTS` recorded, or why not: the
+    figures attach to that night (`forge history add-bench`), so the bench measures exactly what it built."""
+    path = reports / recipe / "report.json"
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"{path}: no build report ({e}); run `forge build {recipe} --report-dir {reports}` first"
+    stages = {s["name"]: s for s in report.get("stages", [])}
+    bad = {n: s["status"] for n, s in stages.items() if n in ("build", "evaluate", "package")
+           and (s["status"] not in ("hit", "built") or not s.get("payload"))}
+    missing = [n for n in ("build", "evaluate", "package") if n not in stages]
+    if bad or missing:
+        return f"forge build {recipe} did not finish ({path}): {bad or ''}{' missing ' + ', '.join(missing) if missing else ''}"
+    return {n: stages[n]["payload"] for n in ("build", "evaluate", "package")}
+
+
+def bench_recipe(recipe: str, levels: list[int], requests: int, protos: list[str], out: Path, port: int,
+                 reports: Path) -> dict:
     from pipeline.recipe import resolve
-    from pipeline.runner import Runner
     from pipeline.triton.serve import free_port
 
     r = resolve(recipe, [])
-    results = {x.name: x for x in Runner(r).build()}
-    bad = {k: v.status for k, v in results.items() if v.status not in ("hit", "built")}
-    if bad:
-        return {"error": f"forge build {recipe} did not finish: {bad}"}
-    gens = json.loads((Path(results["evaluate"].payload) / "generations.json").read_text())
+    payloads = built_payloads(r.name, reports)
+    if isinstance(payloads, str):
+        return {"error": payloads}
+    gens = json.loads((Path(payloads["evaluate"]) / "generations.json").read_text())
     n_new = int(r.validate_.prompts.max_new_tokens)
-    repo = Path(results["package"].payload)
+    repo = Path(payloads["package"])
     port = port or free_port()
     log = out / f"serve-{recipe}.log"
     proc = serve_process(repo, port, log)
-    res: dict = {"path": str(results["build"].payload), "package": str(repo), "max_tokens": n_new,
+    res: dict = {"path": str(payloads["build"]), "package": str(repo), "max_tokens": n_new,
                  "prompts": len(gens), "serve": {"protocols": {}}}
     try:
         for proto in protos:
@@ -180,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocols", default="http,grpc")
     ap.add_argument("--port", type=int, default=0, help="HTTP port of forge serve (gRPC = +1); 0: a free one")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--from-reports", type=Path, default=Path("out"), help="where `forge build --report-dir` wrote "
+                    "each recipe's report.json (its engine and package are benched; default out)")
     a = ap.parse_args(argv)
     try:
         levels = sorted({int(x) for x in a.levels.split(",")})
@@ -197,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                "engines": {}}
     for recipe in a.recipes:
         try:
-            results["engines"][recipe] = bench_recipe(recipe, levels, a.requests, protos, a.out, a.port)
+            results["engines"][recipe] = bench_recipe(recipe, levels, a.requests, protos, a.out, a.port, a.from_reports)
         except Exception as e:  # noqa: BLE001 -- one recipe's failure is recorded, the others still run
             results["engines"][recipe] = {"error": f"{type(e).__name__}: {e}"}
     results["machine"]["load_avg_at_end"] = os.getloadavg()

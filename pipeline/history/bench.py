@@ -98,8 +98,10 @@ def add_bench(h: History, results_path: Path, console: Console, err: Console) ->
                 _update_report(run, gates, err)
             if bad:
                 worst = 1
-    if not attached:
-        err.print("[yellow]no bench figures recorded[/]")
+    if not attached:        # a nightly that records nothing must not look like one that did
+        err.print(f"[red]error:[/] no bench figures recorded from {results_path}: no measured engine was built by a "
+                  f"night in {h.path}; build the recipes with `forge build RECIPE --report-dir out` first")
+        return 1
     return worst
 
 

@@ -238,3 +238,22 @@ def test_short_steps_are_looped_into_samples_of_at_least_min_sample_s():
     n0 = len(calls)
     timed(step, reps=3, warmup=0, clock=clk)
     assert len(calls) == n0 + 3
+
+
+def test_serve_bench_benches_what_a_recorded_night_built(tmp_path):
+    """bench/serve.py serves the package of the night `forge build --report-dir` recorded (its figures attach to
+    that night); a missing or unfinished build is a clear error naming the command, never a silent rebuild."""
+    import json
+
+    from bench.serve import built_payloads
+    why = built_payloads("smollm2-135m-int8", tmp_path)
+    assert isinstance(why, str) and "run `forge build smollm2-135m-int8 --report-dir" in why
+    rep = tmp_path / "smollm2-135m-int8" / "report.json"
+    rep.parent.mkdir()
+    stages = [{"name": n, "status": "built", "payload": f"/cache/{n}"} for n in ("build", "evaluate", "package")]
+    rep.write_text(json.dumps({"stages": stages}))
+    assert built_payloads("smollm2-135m-int8", tmp_path) == {n: f"/cache/{n}" for n in ("build", "evaluate", "package")}
+    stages[1]["status"] = "failed"
+    rep.write_text(json.dumps({"stages": stages}))
+    why = built_payloads("smollm2-135m-int8", tmp_path)
+    assert isinstance(why, str) and "did not finish" in why and "'evaluate': 'failed'" in why

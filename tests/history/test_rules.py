@@ -159,3 +159,24 @@ def test_add_bench_attaches_figures_and_fails_a_slower_night(tmp_path, capsys):
     rep = json.loads((tmp_path / "night2/report.json").read_text())
     assert rep["status"] == "failed" and rep["stages"][-1]["name"] == "bench_regression"
     assert "prefill_tok_s = 850 vs 1000" in (tmp_path / "night2/junit.xml").read_text()
+
+
+def test_add_bench_that_records_nothing_is_an_error(tmp_path, capsys):
+    """bench figures of an engine no recorded night built (`Runner.build()` outside `forge build`, an engine copied
+    by hand) attach nowhere: exit 1 naming the fix, not 0 as if the night had its figures."""
+    import io
+
+    from rich.console import Console
+    from pipeline.history.bench import add_bench
+    h = History(tmp_path / "h.sqlite")
+    h.record(make_run(n=1, stages=[{"name": "build", "status": "built", "key": "1" * 64, "duration_s": 1.0,
+                                    "peak_rss_mb": 1.0, "message": ""}]))
+    res = tmp_path / "serve.json"
+    res.write_text(json.dumps({"engines": {"int8": {"path": str(tmp_path / "entries/99" / ("9" * 64) / "payload")},
+                                           "fp32": {"error": "forge build did not finish"}}}))
+    buf = io.StringIO()
+    con = Console(file=buf, width=300)
+    assert add_bench(h, res, con, con) == 1
+    out = " ".join(buf.getvalue().split())
+    assert "no bench figures recorded" in out and "forge build RECIPE --report-dir out" in out, out
+    assert h.get(1).bench in (None, {})

@@ -236,7 +236,7 @@ class OrtEvaluate(CudaAware, EvaluateBase):
 
 class OrtPackage(CudaAware, PackageStage):
     """Triton model repository (ensemble text in / text out) + manifest.json."""
-    version = "7"   # 7: the manifest lists the repository's empty folders and no regression rules (issue 24); 6: dynamic INT8 engines answer Triton rows one at a time (batch-dependent activation scales); 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on; 5: engine module with fixed-shape / CUDA-graph decode; provider cuda: KIND_GPU, the python model on the CUDA provider
+    version = "8"   # 8: decoupled: true streams (engine model decoupled, declares streaming; the BLS forwards its configured inputs; issue 28); 7: the manifest lists the repository's empty folders and no regression rules (issue 24); 6: dynamic INT8 engines answer Triton rows one at a time (batch-dependent activation scales); 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on; 5: engine module with fixed-shape / CUDA-graph decode; provider cuda: KIND_GPU, the python model on the CUDA provider
     tools = ORT_TOOLS
 
     def write_repository(self, ctx, evaluation):

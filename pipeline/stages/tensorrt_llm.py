@@ -280,7 +280,7 @@ class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
 
 class TrtllmPackage(OnTrtllmGpu, PackageStage):
     """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
-    version = "6"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3); 5: packages the deploy engine (build_deploy), manifest records both engines; 6: the manifest lists the repository's empty folders and no regression rules (issue 24)
+    version = "7"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3); 5: packages the deploy engine (build_deploy), manifest records both engines; 6: the manifest lists the repository's empty folders and no regression rules (issue 24); 7: the BLS forwards the inputs its config lists, streaming is a shared engine input (issue 28)
     tools = TRTLLM_TOOLS
     needs = ("build_deploy", "build", "validate", "evaluate", "source")
 

@@ -8,6 +8,7 @@ fields are errors), so every file we ship is exactly what tritonserver will read
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from google.protobuf import json_format, text_format
@@ -74,7 +75,7 @@ def parse_all_configs(repo_dir: str | Path) -> dict[str, ModelConfig]:
 
     Checks beyond the protobuf schema: the config's ``name`` equals its folder, each model has a
     version folder, and every ensemble step names a model that exists in the repository with
-    tensors the model declares.
+    tensors the model declares; so does forge's BLS (the inputs it forwards, its ``*_inputs`` parameters).
     """
     repo_dir = Path(repo_dir)
     problems: list[str] = []
@@ -95,6 +96,7 @@ def parse_all_configs(repo_dir: str | Path) -> dict[str, ModelConfig]:
         configs[d.name] = cfg
     for name, cfg in configs.items():
         if cfg.platform != "ensemble":
+            problems += _bls_problems(name, cfg, configs, repo_dir)
             continue
         for step in cfg.ensemble_scheduling.step:
             target = configs.get(step.model_name)
@@ -112,3 +114,33 @@ def parse_all_configs(repo_dir: str | Path) -> dict[str, ModelConfig]:
     if problems:
         raise ForgeError("invalid Triton model repository:\n" + "\n".join(f"- {p}" for p in problems))
     return configs
+
+
+def _bls_problems(name: str, cfg: ModelConfig, configs: dict[str, ModelConfig], repo_dir: Path) -> list[str]:
+    """forge's BLS (python_models/bls.py) forwards client inputs as its ``preprocessing_inputs`` /
+    ``engine_inputs`` parameters say; each target model must declare them (Triton answers 400 "unexpected
+    inference input" otherwise, issue 28)."""
+    # a BLS from before these parameters carries its own table in its model.py: nothing to check
+    if "tensorrt_llm_model_name" not in cfg.parameters or "engine_inputs" not in cfg.parameters:
+        return []
+    problems = []
+    for model_key, fwd_key in (("preprocessing_model_name", "preprocessing_inputs"), ("tensorrt_llm_model_name", "engine_inputs")):
+        target = cfg.parameters[model_key].string_value if model_key in cfg.parameters else ""
+        if target not in configs:
+            problems.append(f"{name}: parameter {model_key} names {target!r}, which is not in {repo_dir}")
+            continue
+        try:   # `in` first: indexing a protobuf map adds the key
+            fwd = json.loads(cfg.parameters[fwd_key].string_value) if fwd_key in cfg.parameters else None
+        except ValueError:
+            fwd = None
+        if not isinstance(fwd, dict):
+            problems.append(f"{name}: parameter {fwd_key} is missing or not a JSON object of client input -> {target} input")
+            continue
+        ins = {t.name for t in cfg.input}
+        declared = {t.name for t in configs[target].input}
+        for src, dst in sorted(fwd.items()):
+            if src not in ins:
+                problems.append(f"{name}: forwards input {src!r}, which it does not declare")
+            if dst not in declared:
+                problems.append(f"{name}: forwards {src!r} to {target} input {dst!r}, which {target} does not declare")
+    return problems

@@ -8,6 +8,10 @@
     <repo>/bls/               python: the same interface as BLS (optional)
     <repo>/llm_graph/         backend "onnxruntime": the engine graph itself (for a full Triton image;
                               its version folder holds the engine files the python model runs)
+
+With ``package.triton.decoupled: true`` the engine model, the BLS and so the ensemble are decoupled: they
+stream (``"stream": true``: /generate_stream, gRPC streaming) and do not serve KServe /infer, as on the
+tensorrt_llm target.
 """
 
 from __future__ import annotations
@@ -151,8 +155,10 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
     onnx_path = graph_file(engine_dir)
     out.mkdir(parents=True, exist_ok=True)
 
+    decoupled = bool(opts["decoupled"])
     templates.write_common(out, Path(tokenizer_dir), mbs, inst, add_special_tokens=add_special_tokens)
-    write_config(out / "ensemble", templates.ensemble(mbs, ENGINE_MODEL))
+    # decoupled: the ensemble takes ``stream`` too (and is decoupled, stepping through a decoupled engine model)
+    write_config(out / "ensemble", templates.ensemble(mbs, ENGINE_MODEL, streaming=decoupled))
     (out / "ensemble" / "1").mkdir(parents=True, exist_ok=True)
 
     # the engine files, once: in the graph model's version folder
@@ -171,13 +177,15 @@ def write_onnxruntime_repo(out_dir, *, engine_dir, tokenizer_dir, recipe: dict, 
                                 intra_op_threads=threads, max_new_tokens=max_new_tokens,
                                 max_queue_size=int(opts["max_queue_size"]), **gpu),
            "instance_group": [{"count": inst, "kind": kind}]}
+    if decoupled:   # a python model sends one response per request unless decoupled: streaming needs it
+        eng["model_transaction_policy"] = {"decoupled": True}
     write_config(out / ENGINE_MODEL, eng)
     templates.copy_python_model("ort_llm", out / ENGINE_MODEL, {"forge_ort_engine.py": module,
                                                                 "forge_batcher.py": BATCHER_MODULE})
 
     models = ["ensemble", "preprocessing", ENGINE_MODEL, "postprocessing", GRAPH_MODEL]
     if include_bls:
-        write_config(out / "bls", templates.bls("bls", mbs, ENGINE_MODEL, decoupled=bool(opts["decoupled"]), instance_count=inst))
+        write_config(out / "bls", templates.bls("bls", mbs, ENGINE_MODEL, decoupled=decoupled, instance_count=inst))
         templates.copy_python_model("bls", out / "bls")
         models.append("bls")
     parse_all_configs(out)

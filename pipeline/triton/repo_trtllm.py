@@ -36,9 +36,9 @@ from pipeline.triton.pbtxt import params, parse_all_configs, parse_config, tenso
 
 ENGINE_MODEL = "tensorrt_llm"
 
-# tensorrt_llm model inputs beyond the shared engine interface (name, dtype, dims, optional)
+# tensorrt_llm model inputs beyond the shared engine interface (templates.ENGINE_INPUTS, which has ``streaming``)
 _EXTRA_INPUTS = [
-    ("streaming", "TYPE_BOOL", [1]), ("beam_width", "TYPE_INT32", [1]), ("len_penalty", "TYPE_FP32", [1]),
+    ("beam_width", "TYPE_INT32", [1]), ("len_penalty", "TYPE_FP32", [1]),
     ("repetition_penalty", "TYPE_FP32", [1]), ("min_tokens", "TYPE_INT32", [1]), ("presence_penalty", "TYPE_FP32", [1]),
     ("frequency_penalty", "TYPE_FP32", [1]), ("return_log_probs", "TYPE_BOOL", [1]),
     ("exclude_input_in_output", "TYPE_BOOL", [1]), ("stop_words_list", "TYPE_INT32", [2, -1]),

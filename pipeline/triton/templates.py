@@ -8,6 +8,7 @@ python model with the same tensor interface).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -30,13 +31,15 @@ ENSEMBLE_INPUTS = {
 }
 STREAM_INPUT = {"stream": ("TYPE_BOOL", True, None, "streaming")}
 
-# engine model tensors (subset of TensorRT-LLM's tensorrt_llm model that forge uses)
+# engine model tensors (subset of TensorRT-LLM's tensorrt_llm model that forge uses). Every engine input that
+# ENSEMBLE_INPUTS / STREAM_INPUT name is here, so both targets' engine models declare what the ensemble and the
+# BLS send (issue 28: ``streaming`` was only in the tensorrt_llm model's extras, and onnxruntime_llm refused it).
 ENGINE_INPUTS = [
     ("input_ids", "TYPE_INT32", [-1], False), ("input_lengths", "TYPE_INT32", [1], False),
     ("request_output_len", "TYPE_INT32", [1], False), ("end_id", "TYPE_INT32", [1], True),
     ("pad_id", "TYPE_INT32", [1], True), ("runtime_top_k", "TYPE_INT32", [1], True),
     ("runtime_top_p", "TYPE_FP32", [1], True), ("temperature", "TYPE_FP32", [1], True),
-    ("seed", "TYPE_UINT64", [1], True),
+    ("seed", "TYPE_UINT64", [1], True), ("streaming", "TYPE_BOOL", [1], True),
 ]
 ENGINE_OUTPUTS = [("output_ids", "TYPE_INT32", [-1, -1]), ("sequence_length", "TYPE_INT32", [-1])]
 
@@ -71,10 +74,11 @@ def postprocessing(max_batch_size: int, instance_count: int, skip_special_tokens
 
 def ensemble(max_batch_size: int, engine_model: str, *, streaming: bool = False) -> dict:
     inputs = dict(ENSEMBLE_INPUTS, **(STREAM_INPUT if streaming else {}))
-    pre_map = {pre: name for name, (_, _, pre, _) in inputs.items() if pre}
+    pre_fwd, eng_fwd = forwards(inputs)
+    pre_map = {pre: name for name, pre in pre_fwd.items()}
     eng_map = {"input_ids": "_INPUT_ID", "input_lengths": "_REQUEST_INPUT_LEN",
                "request_output_len": "_REQUEST_OUTPUT_LEN", "end_id": "_END_ID", "pad_id": "_PAD_ID"}
-    eng_map.update({eng: name for name, (_, _, _, eng) in inputs.items() if eng})
+    eng_map.update({eng: name for name, eng in eng_fwd.items()})
     return {
         "name": "ensemble", "platform": "ensemble", "max_batch_size": max_batch_size,
         "input": [tensor(n, dt, [1], optional=opt) for n, (dt, opt, _, _) in inputs.items()],
@@ -92,15 +96,27 @@ def ensemble(max_batch_size: int, engine_model: str, *, streaming: bool = False)
     }
 
 
+def forwards(inputs: dict) -> tuple[dict, dict]:
+    """Client input -> preprocessing input, and client input -> engine input, forwarded as sent: the ensemble's
+    step input maps and the BLS's. The BLS config carries them (parameters ``preprocessing_inputs`` /
+    ``engine_inputs``) and python_models/bls.py reads them there, so the BLS sends what these tables say and
+    :func:`pipeline.triton.pbtxt.parse_all_configs` checks that the receiving models declare it."""
+    return ({n: pre for n, (_, _, pre, _) in inputs.items() if pre},
+            {n: eng for n, (_, _, _, eng) in inputs.items() if eng})
+
+
 def bls(name: str, max_batch_size: int, engine_model: str, *, decoupled: bool, instance_count: int) -> dict:
     inputs = dict(ENSEMBLE_INPUTS, **STREAM_INPUT)
+    pre_map, eng_map = forwards(inputs)
     return {
         "name": name, "backend": "python", "max_batch_size": max_batch_size,
         "model_transaction_policy": {"decoupled": decoupled},
         "input": [tensor(n, dt, [1], optional=opt) for n, (dt, opt, _, _) in inputs.items()],
         "output": [tensor("text_output", "TYPE_STRING", [-1]), tensor("output_ids", "TYPE_INT32", [-1, -1])],
         "parameters": params(tensorrt_llm_model_name=engine_model, preprocessing_model_name="preprocessing",
-                             postprocessing_model_name="postprocessing"),
+                             postprocessing_model_name="postprocessing",
+                             preprocessing_inputs=json.dumps(pre_map, sort_keys=True),
+                             engine_inputs=json.dumps(eng_map, sort_keys=True)),
         "instance_group": [{"count": instance_count, "kind": "KIND_CPU"}],
     }
 

@@ -20,9 +20,6 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-# ensemble input -> (preprocessing input | engine input)
-_PRE = {"text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "end_id": "END_ID", "pad_id": "PAD_ID"}
-_ENGINE = {"top_k": "runtime_top_k", "top_p": "runtime_top_p", "temperature": "temperature", "seed": "seed"}
 _PRE_OUT = ["INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID"]
 _ENGINE_OUT = ["output_ids", "sequence_length"]
 
@@ -78,6 +75,10 @@ class TritonPythonModel:
         self.engine = _param(self.cfg, "tensorrt_llm_model_name", "tensorrt_llm")
         self.pre = _param(self.cfg, "preprocessing_model_name", "preprocessing")
         self.post = _param(self.cfg, "postprocessing_model_name", "postprocessing")
+        # client input -> preprocessing / engine input, written by forge (pipeline/triton/templates.py forwards):
+        # one table for the ensemble, this model and the configs that must declare those inputs
+        self.to_pre = json.loads(_param(self.cfg, "preprocessing_inputs"))
+        self.to_engine = json.loads(_param(self.cfg, "engine_inputs"))
 
     def _engine_inputs(self, request, pre, row):
         eng_in = [pb_utils.Tensor("input_ids", pre["INPUT_ID"][row:row + 1, : int(pre["REQUEST_INPUT_LEN"][row, 0])]),
@@ -85,7 +86,7 @@ class TritonPythonModel:
                   pb_utils.Tensor("request_output_len", pre["REQUEST_OUTPUT_LEN"][row:row + 1]),
                   pb_utils.Tensor("end_id", pre["OUT_END_ID"][row:row + 1]),
                   pb_utils.Tensor("pad_id", pre["OUT_PAD_ID"][row:row + 1])]
-        for src, dst in _ENGINE.items():
+        for src, dst in self.to_engine.items():   # "stream" -> "streaming" among them
             t = pb_utils.get_input_tensor_by_name(request, src)
             if t is not None:
                 a = t.as_numpy()
@@ -93,7 +94,7 @@ class TritonPythonModel:
         return eng_in
 
     def _run(self, request, send):
-        pre_in = [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in _PRE.items()
+        pre_in = [pb_utils.Tensor(dst, t.as_numpy()) for src, dst in self.to_pre.items()
                   if (t := pb_utils.get_input_tensor_by_name(request, src)) is not None]
         pre = _single(self.pre, pre_in, _PRE_OUT)
         rows = pre["INPUT_ID"].shape[0]
@@ -104,8 +105,7 @@ class TritonPythonModel:
         if stream:
             if rows != 1:
                 raise pb_utils.TritonModelException("stream=true takes one text_input per request")
-            eng_in = self._engine_inputs(request, pre, 0) + [pb_utils.Tensor("streaming", np.array([[True]]))]
-            for out in _responses(self.engine, eng_in, _ENGINE_OUT):
+            for out in _responses(self.engine, self._engine_inputs(request, pre, 0), _ENGINE_OUT):
                 send(self._decode(*_padded([_tokens(out)])))
             return
         per_row = []

@@ -8,10 +8,13 @@ copied at package time. The engine files live in the plain onnxruntime graph mod
 Tensor interface = the subset of TensorRT-LLM's ``tensorrt_llm`` model that forge's ensemble uses,
 so the same ensemble / preprocessing / postprocessing / BLS serve both targets:
 inputs  input_ids INT32 [-1], input_lengths INT32 [1], request_output_len INT32 [1],
-        end_id, pad_id, runtime_top_k INT32 [1], runtime_top_p, temperature FP32 [1], seed UINT64 [1]
-        (all optional except the first three);
+        end_id, pad_id, runtime_top_k INT32 [1], runtime_top_p, temperature FP32 [1], seed UINT64 [1],
+        streaming BOOL [1] (all optional except the first three);
 outputs output_ids INT32 [-1, -1] (beam x generated tokens, input excluded), sequence_length INT32 [-1].
 Greedy unless runtime_top_k > 1 or runtime_top_p > 0 (TensorRT-LLM's convention: both 0 = greedy).
+Responses as the tensorrtllm backend sends them: one per request with every new token, or, with
+``streaming`` true (which needs the decoupled model, package.triton.decoupled: true, and one row per
+request), one per new token and then a final flag-only response.
 """
 
 import importlib
@@ -94,6 +97,18 @@ class TritonPythonModel:
                           "eos_token_id": eos if eos >= 0 else None}))
         return rows
 
+    def _streaming(self, request, rows):
+        t = pb_utils.get_input_tensor_by_name(request, "streaming")
+        if t is None or not t.as_numpy().any():
+            return False
+        # a non-decoupled python model sends one response (the tensorrtllm backend refuses this case too);
+        # a token response says no row, so a streamed request has one
+        if not self.decoupled:
+            raise ValueError("streaming=true needs the decoupled model (package.triton.decoupled: true)")
+        if len(rows) != 1:
+            raise ValueError(f"streaming=true takes one row per request, got {len(rows)}")
+        return True
+
     def execute(self, requests):
         """Hand each request's rows to the continuous batcher and return at once (None): the batcher thread
         answers through each request's response sender (python_backend README "Default Mode": since 24.06 a
@@ -105,12 +120,13 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 rows = self._parse(request)
+                stream = self._streaming(request, rows)
             except Exception as e:
                 sender.send(self._error(e), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 continue
-            answer = _Answer(sender, len(rows), self.decoupled)
+            answer = _Answer(sender, len(rows), stream)
             jobs = [self.batcher_module.Job(p, o["max_new_tokens"], **{k: v for k, v in o.items() if k != "max_new_tokens"},
-                                            on_done=answer.done(b), on_token=answer.token(b) if self.decoupled else None,
+                                            on_done=answer.done(b), on_token=answer.token(b) if stream else None,
                                             cancelled=sender.is_cancelled)
                     for b, (p, o) in enumerate(rows)]
             try:
@@ -144,12 +160,12 @@ def _tensors(gens):
 
 
 class _Answer:
-    """One request's rows (usually one): the final response once every row is done. Decoupled: each new token
-    of a one-row request is sent as it is picked (streaming), then a final flag-only response."""
+    """One request's rows (usually one): the final response once every row is done. Streaming (one row, decoupled
+    model): each new token is sent as it is picked, then a final flag-only response."""
 
     def __init__(self, sender, rows, stream):
         self.sender, self.gens, self.left, self.error = sender, [None] * rows, rows, None
-        self.stream = stream and rows == 1
+        self.stream = stream
         self.lock = threading.Lock()
 
     def token(self, b):

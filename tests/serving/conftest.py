@@ -62,3 +62,17 @@ def tiny_repo(tiny_artifacts, tmp_path_factory):
                                      recipe=recipe, metrics={"greedy_match": 1.0},
                                      engine_module=tiny_artifacts["engine_module"])
     return out, summary
+
+
+@pytest.fixture(scope="session")
+def tiny_repo_decoupled(tiny_artifacts, tmp_path_factory):
+    """The tiny repository written with package.triton.decoupled: true (streaming)."""
+    from pipeline.triton.repo_onnxruntime import write_onnxruntime_repo
+
+    out = tmp_path_factory.mktemp("repo-decoupled") / "triton"
+    recipe = {"package": {"triton": {"max_batch_size": 8, "instance_count": 1, "decoupled": True}},
+              "build": {"onnxruntime": {"intra_op_threads": 1}}}
+    summary = write_onnxruntime_repo(out, engine_dir=tiny_artifacts["engine_dir"], tokenizer_dir=tiny_artifacts["tokenizer_dir"],
+                                     recipe=recipe, metrics={"greedy_match": 1.0},
+                                     engine_module=tiny_artifacts["engine_module"])
+    return out, summary

@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from pipeline.errors import ForgeError, RecipeError
-from pipeline.triton.pbtxt import config_from_dict, parse_all_configs, parse_config
+from pipeline.triton.pbtxt import config_from_dict, parse_all_configs, parse_config, to_pbtxt
 from pipeline.triton.repo_trtllm import check_triton_vs_engine, engine_facts, relocate_repo, write_trtllm_repo
 
 ENGINE_CFG = {  # shape of a trtllm-build config.json (only the keys forge reads)
@@ -81,6 +81,60 @@ def test_relocate_rewrites_engine_path(trtllm_repo, tmp_path):
     assert parse_config(moved / "tensorrt_llm" / "config.pbtxt").parameters["gpt_model_path"].string_value == \
         str((moved / "tensorrt_llm" / "1" / "engine").resolve())
     assert relocate_repo(moved) is False
+
+
+# what python_models/bls.py sends the engine besides its engine_inputs table (preprocessing's outputs)
+BLS_FIXED_ENGINE_INPUTS = {"input_ids", "input_lengths", "request_output_len", "end_id", "pad_id"}
+
+
+def _bls_sends(bls_cfg):
+    p = bls_cfg.parameters
+    return (set(json.loads(p["preprocessing_inputs"].string_value).values()),
+            BLS_FIXED_ENGINE_INPUTS | set(json.loads(p["engine_inputs"].string_value).values()))
+
+
+@pytest.mark.parametrize("which", ["onnxruntime", "tensorrt_llm"])
+def test_decoupled_repo_declares_every_input_the_bls_sends(which, tiny_repo_decoupled, trtllm_repo):
+    """Issue 28: the decoupled BLS sent ``streaming`` to onnxruntime_llm, whose config.pbtxt did not declare it
+    (HTTP 400 "unexpected inference input"). Each config.pbtxt is read with Triton's ModelConfig protobuf."""
+    repo, bls_name, engine = ((tiny_repo_decoupled[0], "bls", "onnxruntime_llm") if which == "onnxruntime"
+                              else (trtllm_repo[0], "tensorrt_llm_bls", "tensorrt_llm"))
+    cfgs = {d.name: parse_config(d / "config.pbtxt") for d in repo.iterdir() if (d / "config.pbtxt").exists()}
+    bls = cfgs[bls_name]
+    assert bls.model_transaction_policy.decoupled and cfgs[engine].model_transaction_policy.decoupled
+    to_pre, to_engine = _bls_sends(bls)
+    assert "streaming" in to_engine and json.loads(bls.parameters["engine_inputs"].string_value)["stream"] == "streaming"
+    assert to_pre <= {i.name for i in cfgs["preprocessing"].input}
+    assert to_engine <= {i.name for i in cfgs[engine].input}, to_engine - {i.name for i in cfgs[engine].input}
+    # the ensemble takes `stream` too and passes it to the engine's `streaming`
+    ens = cfgs["ensemble"]
+    assert "stream" in {i.name for i in ens.input}
+    step = next(s for s in ens.ensemble_scheduling.step if s.model_name == engine)
+    assert step.input_map["streaming"] == "stream" and set(step.input_map) <= {i.name for i in cfgs[engine].input}
+
+
+def test_undeclared_forwarded_input_is_refused(tiny_repo_decoupled, tmp_path):
+    """parse_all_configs (run by the writer and by forge serve) names the input a BLS would send undeclared."""
+    repo, _ = tiny_repo_decoupled
+    bad = tmp_path / "bad"
+    shutil.copytree(repo, bad)
+    f = bad / "onnxruntime_llm" / "config.pbtxt"
+    cfg = parse_config(f)
+    keep = [i for i in cfg.input if i.name != "streaming"]
+    del cfg.input[:]
+    cfg.input.extend(keep)
+    f.write_text(to_pbtxt(cfg))
+    with pytest.raises(ForgeError, match="bls: forwards 'stream' to onnxruntime_llm input 'streaming', which "
+                                         "onnxruntime_llm does not declare"):
+        parse_all_configs(bad)
+
+
+def test_not_decoupled_repo_streams_nothing(tiny_repo):
+    """decoupled: false (the default): no model is decoupled and the ensemble takes no `stream`."""
+    cfgs = parse_all_configs(tiny_repo[0])
+    assert not any(c.model_transaction_policy.decoupled for c in cfgs.values())
+    assert not cfgs["onnxruntime_llm"].HasField("model_transaction_policy")
+    assert "stream" not in {i.name for i in cfgs["ensemble"].input}
 
 
 def test_unknown_field_fails(tiny_repo, tmp_path):

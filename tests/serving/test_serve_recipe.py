@@ -102,3 +102,34 @@ def test_full_queue_answers_unavailable_naming_the_key(built, tmp_path):
     assert set(codes) <= {200, 400, 503}, codes
     assert all(ok for c, ok, _ in outs if c == 200)
     assert all("package.triton.max_queue_size" in msg for msg in refused)
+
+
+def test_decoupled_package_streams_the_validated_greedy_tokens(built, default_build, tmp_path):
+    """Issue 28 on the real engine: the built package's engine and tokenizer, written again by the package writer
+    with package.triton.decoupled: true (no second build), stream through /generate_stream: several events whose
+    tokens are the validated greedy tokens and the non-streamed answer, and no HTTP 400."""
+    from pipeline.triton.repo_onnxruntime import GRAPH_MODEL, write_onnxruntime_repo
+
+    repo, gens, n = built
+    r, _ = default_build
+    recipe = r.package_dict()
+    recipe.setdefault("package", {}).setdefault("triton", {})["decoupled"] = True
+    streaming = tmp_path / "triton"
+    write_onnxruntime_repo(streaming, engine_dir=repo / GRAPH_MODEL / "1", tokenizer_dir=repo / "preprocessing" / "1" / "tokenizer",
+                           recipe=recipe, metrics={})
+    with TritonServer(streaming) as srv:
+        for g in gens[:2]:
+            body = {"text_input": g["prompt"], "max_tokens": n, "end_id": -1}
+            req = urllib.request.Request(srv.url + "/v2/models/bls/generate_stream",
+                                         data=json.dumps({**body, "stream": True}).encode())
+            with urllib.request.urlopen(req, timeout=300) as resp:   # an HTTP 400 raises here
+                events = [json.loads(x[len(b"data: "):]) for x in resp.read().splitlines() if x.startswith(b"data: ")]
+            assert len(events) > 1 and not any("error" in e for e in events), events
+            tokens = [t for e in events for t in (e["output_ids"] if isinstance(e["output_ids"], list) else [e["output_ids"]])]
+            with urllib.request.urlopen(urllib.request.Request(srv.url + "/v2/models/bls/generate",
+                                                               data=json.dumps(body).encode()), timeout=300) as resp:
+                one = json.loads(resp.read())
+            assert tokens == g["candidate"] == (one["output_ids"] if isinstance(one["output_ids"], list) else [one["output_ids"]])
+            text = "".join(e["text_output"] for e in events)
+            if "\ufffd" not in text:   # a character split across tokens decodes from neither alone
+                assert text == one["text_output"], g["prompt"]

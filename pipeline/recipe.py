@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_serializer,
+                      model_validator)
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from .errors import MAX_PROBLEMS_SHOWN, RecipeError
@@ -143,7 +144,9 @@ class QuantizeSection(Section):
 # ---------------------------------------------------------------- build
 class BuildSection(Section):
     """``target`` and one section per registered target (pipeline/targets: each declares its ``build.<name>``
-    model); every target's section is present, with its defaults, whichever target the recipe builds."""
+    model). Every target's section can be read, with its defaults, whichever target the recipe builds; only the
+    section of the target it builds is dumped (its resolved form, its hash, report.json, a package's manifest), so
+    registering a target or changing another target's defaults changes no recipe's hash (issue 25)."""
     model_config = ConfigDict(extra="allow", validate_assignment=True, allow_inf_nan=False, strict=True)
     target: str = Field(registry.DEFAULT, description="the build target (pipeline/targets): " + ", ".join(
         registry.BUILTIN) + " or a registered plug-in")
@@ -180,6 +183,10 @@ class BuildSection(Section):
         if errors:
             raise ValidationError.from_exception_data(cls.__name__, errors)
         return data
+
+    @model_serializer(mode="wrap")
+    def _own_section_only(self, handler):
+        return {k: v for k, v in handler(self).items() if k in ("target", self.target)}
 
     def __setattr__(self, name, value):       # a target's section assigned whole is validated like the rest
         if name != "target" and name in registry.names() and not isinstance(value, registry.get(name).section):
@@ -830,9 +837,10 @@ def foreign_build_problems(path: Path, overrides: list[str], target: str) -> lis
     recipe set them for its own target (e.g. smollm2-135m-trt-int8 extends the onnxruntime recipe)."""
     own = apply_overrides(_read_yaml(path), [o for o in overrides if o.split("=", 1)[0].strip().startswith("build.")])
     build = own.get("build") if isinstance(own.get("build"), dict) else {}
-    defaults = BuildSection().model_dump(mode="json", by_alias=True)
+    defaults = {t.name: t.section.model_validate({}).model_dump(mode="json", by_alias=True)
+                for t in registry.all_targets()}
     targets = registry.names()
-    # a value equal to the default sets nothing: `forge recipes resolve` writes every section, and reads back
+    # a value equal to the default sets nothing: `forge recipes resolve` wrote every section before issue 25, read back
     sections = {s for s, v in build.items() if s in defaults and isinstance(v, dict)
                 and any(defaults[s].get(k, object()) != x for k, x in v.items())}
     where = f"{path} (or --set)" if overrides else str(path)

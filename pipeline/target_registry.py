@@ -18,7 +18,7 @@ from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
-# the built-in targets, in the order their build sections are written (part of every recipe's resolved text)
+# the built-in targets, in the order messages list them (a recipe dumps only the section of the target it builds)
 BUILTIN = ("onnxruntime", "tensorrt_llm", "tensorrt")
 DEFAULT = "onnxruntime"
 ENTRY_POINT_GROUP = "forge.targets"

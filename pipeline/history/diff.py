@@ -67,8 +67,15 @@ def _leaves(obj, prefix: str = "") -> dict[str, object]:
     return out
 
 
+def _recipe_leaves(run: Run) -> dict[str, object]:
+    """The night's resolved recipe, of build.* only the section of the target it built: nights recorded before
+    issue 25 hold every target's section, which would read as changes of targets neither night built."""
+    return {k: v for k, v in _leaves(run.recipe_dict).items()
+            if not run.target or not k.startswith("build.") or k.split(".")[1] in ("target", run.target)}
+
+
 def recipe_changes(a: Run, b: Run) -> list[Change]:
-    la, lb = _leaves(a.recipe_dict), _leaves(b.recipe_dict)
+    la, lb = _recipe_leaves(a), _recipe_leaves(b)
     return [Change("recipe", k, la.get(k), lb.get(k)) for k in sorted(set(la) | set(lb))
             if la.get(k) != lb.get(k) and k != "name"]
 

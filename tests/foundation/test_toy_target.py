@@ -278,3 +278,40 @@ def test_installed_plug_ins_register_through_entry_points(monkeypatch):
     with pytest.raises(ForgeError, match=r"build-target plug-in 'toy_broken' \(entry point forge.targets: "
                                          r"toy_plugin:toy_broken\) failed to load: ImportError: .*fix or uninstall"):
         targets.names()
+
+
+def test_registering_a_target_changes_no_shipped_recipe():
+    """Issue 25: a recipe's resolved form (its hash, its package key, what report.json / plan --json / a package's
+    manifest record) holds build.target and the section of the target it builds, not every registered target's
+    defaults, so installing a plug-in changes no other recipe's hash."""
+    from pipeline.recipe import list_recipes, resolve
+
+    def facts():
+        return {n: (r.hash, r.package_hash, r.to_dict()["build"]) for n in list_recipes() for r in [resolve(n)]}
+    before = facts()
+    targets.register(TOY)
+    try:
+        after = facts()
+    finally:
+        targets.unregister("toy")
+    assert after == before
+    for n, (_, _, build) in before.items():
+        assert set(build) == {"target", build["target"]}, (n, build)     # no other target's section
+
+
+def test_another_targets_section_defaults_are_not_in_a_recipes_hash():
+    from pipeline.recipe import resolve
+    trtllm = targets.get("tensorrt_llm")
+
+    class NewDefault(trtllm.section):                      # a new default of build.tensorrt_llm, set by no recipe
+        multiple_profiles: bool = True
+    ort, llm = resolve("smollm2-135m-int8"), resolve("smollm2-135m-trtllm-tp3")
+    targets.register(dataclasses.replace(trtllm, section=NewDefault))
+    try:
+        r = resolve("smollm2-135m-int8")
+        assert (r.hash, r.package_hash) == (ort.hash, ort.package_hash)          # the section it does not build
+        assert r.build.tensorrt_llm.multiple_profiles is True                     # still readable, with defaults
+        assert resolve("smollm2-135m-trtllm-tp3").hash != llm.hash                # the control: its own section
+    finally:
+        targets.register(trtllm)
+    assert resolve("smollm2-135m-trtllm-tp3").hash == llm.hash

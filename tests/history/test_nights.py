@@ -149,3 +149,17 @@ def test_history_bad_arguments_exit_2_with_the_fix(nightly_env, monkeypatch, cap
     three_nights(nightly_env, monkeypatch, capsys)
     code, out, err = forge(monkeypatch, capsys, *args)
     assert code == 2 and expect in " ".join((out + err).split()) and "Traceback" not in err
+
+
+def test_a_night_recorded_with_every_targets_section_diffs_only_its_own():
+    """Nights recorded before issue 25 hold every target's build section; the diff reads the built target's."""
+    from pipeline.history.diff import recipe_changes
+    from pipeline.history.store import Run
+
+    def night(build):
+        return Run(None, "r", "h", "onnxruntime", "passed", "", "", 1.0, {"name": "r", "build": build}, "m", {})
+    old = night({"target": "onnxruntime", "onnxruntime": {"opt_level": "extended"}, "tensorrt_llm": {"tp": 1}})
+    new = night({"target": "onnxruntime", "onnxruntime": {"opt_level": "extended"}})
+    assert recipe_changes(old, new) == []
+    changed = night({"target": "onnxruntime", "onnxruntime": {"opt_level": "all"}})
+    assert [c.path for c in recipe_changes(old, changed)] == ["build.onnxruntime.opt_level"]

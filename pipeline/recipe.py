@@ -632,7 +632,44 @@ def _read_yaml(path: Path) -> dict:
     return data
 
 
-def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
+def _build_target(data: dict):
+    build = data.get("build")
+    return build.get("target", registry.DEFAULT) if isinstance(build, dict) else registry.DEFAULT
+
+
+def _retarget(parent: dict, target, origins: dict) -> dict:
+    """``parent`` as a recipe of ``target`` extends it: where ``target`` is another target than the parent's, the
+    parent's sections of targets other than ``target`` are dropped (with their ``origins``).
+
+    Why drop rather than refuse: a recipe that names another build.target than its parent's says which target it
+    builds, and the parent set those sections for the target it built, not for this one; there is no way to unset
+    an inherited key, so refusing would leave no fix short of copying the parent. A child extends what its parent
+    resolves to, which holds only its own target's section (BuildSection), so a grandchild that switches back
+    gets that target's defaults, not its grandparent's. A foreign section inherited without such a switch is
+    refused (inherited_build_problems): the file that wrote it set it for no target it builds."""
+    if not isinstance(target, str) or target not in registry.names() or target == _build_target(parent):
+        return parent
+    parent = copy.deepcopy(parent)
+    build = parent["build"] if isinstance(parent.get("build"), dict) else {}
+    for s in [k for k in build if k != "target" and k != target and k in registry.names()]:
+        del build[s]
+        for key in [k for k in origins if k[0] == s]:
+            del origins[key]
+    return parent
+
+
+def _note_origins(data: dict, path: Path, origins: dict) -> None:
+    """``origins[(section, key)] = path`` for each build.<target>.<key> this file sets."""
+    build = data.get("build")
+    for s, v in (build.items() if isinstance(build, dict) else ()):
+        if s != "target" and isinstance(v, dict):
+            origins.update({(s, k): path for k in v})
+
+
+def _load_raw(path: Path, seen: tuple[Path, ...] = (), origins: dict | None = None) -> dict:
+    """The recipe at ``path`` with its ``extends`` chain merged in; ``origins`` (when given) receives the file
+    each build.<target>.<key> comes from."""
+    origins = {} if origins is None else origins
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(p.name for p in (*seen, path))
@@ -641,6 +678,7 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         raise RecipeError([f"{path}: more than {MAX_RECIPE_DEPTH} levels of 'extends'"])
     data = _read_yaml(path)
     if "extends" not in data:
+        _note_origins(data, path, origins)
         return data
     parent = data.pop("extends")
     if not isinstance(parent, str) or not parent.strip():
@@ -651,7 +689,11 @@ def _load_raw(path: Path, seen: tuple[Path, ...] = ()) -> dict:
         parent_path = recipe_path(parent, path.parent, relative_to=path.parent)
     except RecipeError as e:
         raise RecipeError([f"{path}: extends: {m}" for m in e.problems]) from None
-    return deep_merge(_load_raw(parent_path, (*seen, path)), data)
+    merged = _load_raw(parent_path, (*seen, path), origins)
+    if isinstance(data.get("build"), dict) and "target" in data["build"]:
+        merged = _retarget(merged, data["build"]["target"], origins)
+    _note_origins(data, path, origins)
+    return deep_merge(merged, data)
 
 
 def parse_value(text: str):
@@ -815,30 +857,35 @@ def section_problems(model: type[BaseModel], data, prefix: tuple, source: str | 
 def resolve(name_or_path: str, overrides: list[str] | None = None, recipes_dir: Path = RECIPES_DIR) -> Recipe:
     """Load a recipe by name or path, apply `extends:` and `--set` overrides, validate everything."""
     path = recipe_path(name_or_path, recipes_dir)
-    data = _load_raw(path)
+    origins: dict = {}
+    data = _load_raw(path, origins=origins)
     data.setdefault("name", path.stem)
-    if overrides:
-        data = apply_overrides(data, overrides)
+    if overrides:       # a --set of build.target extends the file as a child that names another target does
+        data = apply_overrides(_retarget(data, _build_target(apply_overrides(data, overrides)), origins), overrides)
     problems = section_problems(Recipe, data, (), str(path))
     if problems:
         raise RecipeError(problems)
     recipe = Recipe.model_validate(data)
     problems = semantic_problems(recipe, str(path)) + foreign_build_problems(path, overrides or [],
-                                                                              recipe.build.target)
+                                                                              recipe.build.target) \
+        + inherited_build_problems(recipe, path, origins, overrides or [])
     if problems:
         raise RecipeError(problems)
     recipe._path = str(path)
     return recipe
 
 
+def _section_defaults() -> dict[str, dict]:
+    return {t.name: t.section.model_validate({}).model_dump(mode="json", by_alias=True)
+            for t in registry.all_targets()}
+
+
 def foreign_build_problems(path: Path, overrides: list[str], target: str) -> list[str]:
     """A build.<target> section another target reads, set by this recipe file or a --set, is refused (it would be
-    accepted and ignored). Sections inherited through ``extends`` from a recipe of another target are not: that
-    recipe set them for its own target (e.g. smollm2-135m-trt-int8 extends the onnxruntime recipe)."""
+    accepted and ignored). Inherited sections: inherited_build_problems."""
     own = apply_overrides(_read_yaml(path), [o for o in overrides if o.split("=", 1)[0].strip().startswith("build.")])
     build = own.get("build") if isinstance(own.get("build"), dict) else {}
-    defaults = {t.name: t.section.model_validate({}).model_dump(mode="json", by_alias=True)
-                for t in registry.all_targets()}
+    defaults = _section_defaults()
     targets = registry.names()
     # a value equal to the default sets nothing: `forge recipes resolve` wrote every section before issue 25, read back
     sections = {s for s, v in build.items() if s in defaults and isinstance(v, dict)
@@ -847,6 +894,25 @@ def foreign_build_problems(path: Path, overrides: list[str], target: str) -> lis
     return [f"{where}: build.{s}: read only by build.target '{s}'; this recipe builds build.target '{target}', "
             f"which ignores it: remove build.{s} (or set build.target: {s})"
             for s in sorted(sections) if s in targets and s != target]
+
+
+def inherited_build_problems(recipe: Recipe, path: Path, origins: dict, overrides: list[str]) -> list[str]:
+    """A build.<target> section of another target than the recipe's, inherited through ``extends``, is refused
+    naming the file that set it. Sections of the parent's target are dropped where the recipe (or a --set) names
+    another build.target (_retarget), so what is left was written by a file for a target it does not build
+    either (a parent that is refused on its own), or by a base file for the target its children name. A value
+    equal to the default sets nothing (as in foreign_build_problems)."""
+    target, resolved = recipe.build.target, path.resolve()
+    set_ = [o.split("=", 1)[0].strip().split(".") for o in overrides]
+    defaults, found = _section_defaults(), {}
+    for (s, k), origin in origins.items():
+        if s == target or s not in defaults or origin == resolved or ["build", s] in set_ or ["build", s, k] in set_:
+            continue        # this file's own sections and the --set ones: foreign_build_problems
+        if recipe.build.section(s).model_dump(mode="json", by_alias=True).get(k) != defaults[s].get(k, object()):
+            found.setdefault((s, origin), []).append(k)
+    return [f"{path}: {', '.join(f'build.{s}.{k}' for k in keys)}: inherited from {origin} (extends), read only by "
+            f"build.target '{s}'; this recipe builds build.target '{target}', which ignores it: remove build.{s} "
+            f"from {origin}, or set build.target: {s} in {path}" for (s, origin), keys in sorted(found.items())]
 
 
 # ---------------------------------------------------------------- rules across fields (no model facts)

@@ -436,10 +436,72 @@ def test_one_target_one_section_one_spelling(recipe_name, item, expect, capsys, 
 
 
 def test_inherited_sections_of_another_target_are_not_refused(capsys, monkeypatch):
-    """smollm2-135m-trt-int8 extends the onnxruntime int8 recipe (its build.onnxruntime section): that recipe set
-    it for its own target, so the tensorrt recipe still resolves."""
+    """smollm2-135m-trt-int8 extends the onnxruntime FP32 recipe (its build.onnxruntime section) and names
+    build.target tensorrt: the parent's section is dropped, not refused (pipeline/recipe.py _retarget)."""
     code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", "smollm2-135m-trt-int8")
-    assert code == 0, out
+    assert code == 0 and "onnxruntime:" not in out, out
+
+
+FP32 = RECIPES_DIR / "smollm2-135m-fp32.yaml"
+LLM = f"!extends: {FP32}\nbuild:\n  target: tensorrt_llm\n  tensorrt_llm: {{max_input_len: 777, tp: 3}}\n"
+
+
+@pytest.mark.parametrize("files, code, expect, absent", [
+    # a child that names another build.target: the parent's section of its target is dropped, not inherited
+    ({"llm": LLM, "r": "!extends: llm.yaml\nbuild: {target: onnxruntime}\n"}, 0, ["target: onnxruntime"],
+     ["tensorrt_llm", "777"]),
+    # ... and so is it for the child's children, even one that names the grandparent's target again: a child
+    # extends what its parent resolves to (the grandchild gets build.tensorrt_llm's defaults)
+    ({"llm": LLM, "ort": "!extends: llm.yaml\nbuild: {target: onnxruntime}\n", "r": "!extends: ort.yaml\n"}, 0,
+     ["target: onnxruntime"], ["tensorrt_llm", "777"]),
+    ({"llm": LLM, "ort": "!extends: llm.yaml\nbuild: {target: onnxruntime}\n",
+      "r": "!extends: ort.yaml\nbuild: {target: tensorrt_llm}\n"}, 0, ["tensorrt_llm:", "max_input_len: 1024"],
+     ["777"]),
+    # a child that keeps the target inherits the section
+    ({"llm": LLM, "r": "!extends: llm.yaml\ndescription: same target\n"}, 0, ["max_input_len: 777"], []),
+    # a child that names another target and sets the old one's section itself: refused, naming the child
+    ({"llm": LLM, "r": "!extends: llm.yaml\nbuild:\n  target: onnxruntime\n  tensorrt_llm: {tp: 2}\n"}, 2,
+     ["r.yaml: build.tensorrt_llm: read only by build.target 'tensorrt_llm'; this recipe builds build.target "
+      "'onnxruntime', which ignores it: remove build.tensorrt_llm"], []),
+    # a foreign section no switch of target explains (the parent wrote it for a target it does not build):
+    # refused in the child naming the key, the file it came from and the fix; through a grandchild too
+    ({"bad": f"!extends: {FP32}\nbuild:\n  tensorrt_llm: {{max_input_len: 777}}\n",
+      "r": "!extends: bad.yaml\ndescription: a child\n"}, 2,
+     ["r.yaml: build.tensorrt_llm.max_input_len: inherited from ", "bad.yaml (extends), read only by build.target "
+      "'tensorrt_llm'; this recipe builds build.target 'onnxruntime', which ignores it: remove build.tensorrt_llm "
+      "from ", "bad.yaml, or set build.target: tensorrt_llm in "], []),
+    ({"bad": f"!extends: {FP32}\nbuild:\n  tensorrt_llm: {{max_input_len: 777}}\n",
+      "mid": "!extends: bad.yaml\n", "r": "!extends: mid.yaml\ndescription: a grandchild\n"}, 2,
+     ["r.yaml: build.tensorrt_llm.max_input_len: inherited from ", "bad.yaml (extends)"], ["mid.yaml (extends)"]),
+    # ... whose fix works: a base file's section, for the children that name its target
+    ({"bad": f"!extends: {FP32}\nbuild:\n  tensorrt_llm: {{max_input_len: 777}}\n",
+      "r": "!extends: bad.yaml\nbuild: {target: tensorrt_llm}\n"}, 0, ["max_input_len: 777"], []),
+], ids=["child_switches", "grandchild_of_a_switch", "grandchild_switches_back", "child_keeps", "child_sets_it",
+        "inherited_unexplained", "inherited_through_a_grandchild", "base_for_its_target"])
+def test_extends_and_build_target(files, code, expect, absent, tmp_path, capsys, monkeypatch):
+    """Issue 25, the extends hole: a child that names another build.target does not carry its parent's section of
+    the old target (accepted and ignored); a section no target switch explains is refused (exit 2)."""
+    for name, text in files.items():
+        recipe(tmp_path, text, name)
+    got, out = run_cli(capsys, monkeypatch, "recipes", "resolve", tmp_path / "r.yaml")
+    assert got == code, out
+    for frag in expect:
+        assert frag in out, out
+    for frag in absent:
+        assert frag not in out, out
+
+
+def test_a_set_of_build_target_drops_the_inherited_section(tmp_path, capsys, monkeypatch):
+    from pipeline.recipe import resolve
+    recipe(tmp_path, LLM, "llm")
+    child = recipe(tmp_path, "!extends: llm.yaml\ndescription: inherits build.tensorrt_llm\n", "r")
+    r = resolve(str(child), ["build.target=onnxruntime"])
+    assert r.build.tensorrt_llm.max_input_len == 1024 and "tensorrt_llm" not in r.to_dict()["build"]
+    assert r.hash == resolve(str(recipe(tmp_path, f"!extends: {FP32}\ndescription: inherits build.tensorrt_llm\n",
+                                        "same"))).model_copy(update={"name": "r"}).hash
+    # the file's own section still is refused: it is this recipe's text that the --set makes ignored
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", tmp_path / "llm.yaml", "--set", "build.target=onnxruntime")
+    assert code == 2 and "llm.yaml (or --set): build.tensorrt_llm: read only by build.target 'tensorrt_llm'" in out, out
 
 
 @pytest.mark.parametrize("make_arg, shown", [

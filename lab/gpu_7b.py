@@ -174,8 +174,10 @@ def main(argv=None) -> int:
         if a.phase == "build":
             build(res, log, a.layers, a.timeout)
         elif a.phase == "bench":
+            # the engines this machine has built (the serving run builds fp16 only)
             engines = [f"--engine={n}={(OUT / 'build' / r / 'engine').resolve()}"
-                       for n, r in (("fp16", RECIPES[0]), ("int4", RECIPES[1]))]
+                       for n, r in (("fp16", RECIPES[0]), ("int4", RECIPES[1]))
+                       if (OUT / "build" / r / "engine").exists()]
             peers = ["--no-peers"] if a.no_peers else []
             step(res, f"bench.gpu run {a.run}", [PY, "-m", "bench.gpu", *engines, "--hf-dir", str(MODEL), "--no-oga",
                                                  *peers, "--out", str(OUT / f"bench{a.run}")], a.timeout, log)

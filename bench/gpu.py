@@ -26,13 +26,13 @@ from .measure import measure_adapter, ratio
 
 def gpu_memory_mb() -> float | None:
     """This process's GPU memory (MiB) by NVML; None when NVML cannot tell."""
+    from pipeline.host.gpu import nvml_handles
     try:
         import pynvml as nvml
-        nvml.nvmlInit()
-        h = nvml.nvmlDeviceGetHandleByIndex(0)
-        for p in nvml.nvmlDeviceGetComputeRunningProcesses(h):
-            if p.pid == os.getpid() and p.usedGpuMemory:
-                return p.usedGpuMemory / 2**20
+        with nvml_handles(nvml) as handles:
+            for p in nvml.nvmlDeviceGetComputeRunningProcesses(handles[0]):
+                if p.pid == os.getpid() and p.usedGpuMemory:
+                    return p.usedGpuMemory / 2**20
     except Exception:  # noqa: BLE001
         return None
     return None

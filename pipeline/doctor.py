@@ -25,7 +25,7 @@ from typing import Any, Callable
 from . import gpu_topology as topo
 
 from .host.cpu import cpu_model
-from .host.gpu import nvml_call, nvml_sm
+from .host.gpu import nvml_call, nvml_driver, nvml_handles, nvml_sm
 from .host.tools import TOOLS, tool_version
 
 SEVERITIES = ("error", "warning", "info")
@@ -184,16 +184,11 @@ def _affinity_cpus(nvml, h, ncpu: int) -> list[int] | None:
 def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
     """(driver facts, one dict per GPU). Raises nvml.NVMLError when NVML cannot start. With two or more GPUs and a
     ``topology`` dict given, fills it with :func:`pipeline.gpu_topology.collect_topology`'s result."""
-    nvml.nvmlInit()
-    try:
-        drv = {"driver": nvml_call(nvml, "nvmlSystemGetDriverVersion")}
-        cuda = nvml_call(nvml, "nvmlSystemGetCudaDriverVersion_v2") or nvml_call(nvml, "nvmlSystemGetCudaDriverVersion")
-        drv["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None
-        gpus, handles = [], []
+    with nvml_handles(nvml) as handles:
+        drv = nvml_driver(nvml)
+        gpus = []
         ncpu = os.cpu_count() or 1
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            handles.append(h)
+        for i, h in enumerate(handles):
             sm = nvml_sm(nvml, h)
             mem = nvml_call(nvml, "nvmlDeviceGetMemoryInfo", h)
             reasons = nvml_call(nvml, "nvmlDeviceGetCurrentClocksEventReasons", h)
@@ -237,8 +232,6 @@ def collect_gpus(nvml, topology: dict | None = None) -> tuple[dict, list[dict]]:
         if topology is not None and len(handles) > 1:
             topology.update(topo.collect_topology(nvml, handles))
         return drv, gpus
-    finally:
-        nvml_call(nvml, "nvmlShutdown")
 
 
 def _idle(g: dict) -> bool:

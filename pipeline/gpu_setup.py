@@ -14,7 +14,6 @@ failed or the installed provider does not work, 2 bad input.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -24,6 +23,8 @@ import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Callable
+
+from .host.gpu import nvml_call, nvml_driver, nvml_handles
 
 ROOT = Path(__file__).resolve().parents[1]
 # onnxruntime-gpu 1.31.x is built for CUDA 13 (its METADATA: extra "cuda" -> nvidia-cuda-runtime~=13.0); the
@@ -46,30 +47,17 @@ def ort_gpu_pin(reqs: list[str]) -> str:
     raise ValueError(f"pyproject.toml [project.optional-dependencies] gpu pins no onnxruntime-gpu==X: {reqs}")
 
 
-def probe_nvml(lib: str = "libnvidia-ml.so.1") -> dict:
-    """GPUs through NVML (the driver's library); ``{"gpus": []...}`` with ``error`` when it cannot be asked."""
+def probe_nvml(nvml=None) -> dict:
+    """GPUs through NVML (the driver's libnvidia-ml.so.1, by nvidia-ml-py's ``pynvml``; ``nvml`` is for tests)
+    through forge's one NVML helper; ``{"gpus": []...}`` with ``error`` when it cannot be asked."""
     try:
-        nv = ctypes.CDLL(lib)
-    except OSError as e:
-        return {"via": "NVML", "gpus": [], "error": f"{lib} not loadable ({e})"}
-    if nv.nvmlInit_v2() != 0:
-        return {"via": "NVML", "gpus": [], "error": "nvmlInit failed (driver not loaded?)"}
-    try:
-        n, cuda, buf = ctypes.c_uint(), ctypes.c_int(), ctypes.create_string_buffer(96)
-        nv.nvmlDeviceGetCount_v2(ctypes.byref(n))
-        names = []
-        for i in range(n.value):
-            h = ctypes.c_void_p()
-            nv.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(h))
-            nv.nvmlDeviceGetName(h, buf, 96)
-            names.append(buf.value.decode(errors="replace"))
-        nv.nvmlSystemGetDriverVersion(buf, 96)
-        driver = buf.value.decode()
-        nv.nvmlSystemGetCudaDriverVersion_v2(ctypes.byref(cuda))
-        return {"via": "NVML", "gpus": names, "driver": driver,
-                "cuda_driver": f"{cuda.value // 1000}.{cuda.value % 1000 // 10}" if cuda.value else None}
-    finally:
-        nv.nvmlShutdown()
+        if nvml is None:
+            import pynvml as nvml
+        with nvml_handles(nvml) as handles:
+            return {"via": "NVML", "gpus": [nvml_call(nvml, "nvmlDeviceGetName", h) for h in handles],
+                    **nvml_driver(nvml)}
+    except Exception as e:      # no library, no driver, no permission: the reason goes to probe()'s `tried`
+        return {"via": "NVML", "gpus": [], "error": f"libnvidia-ml.so.1 cannot be asked ({type(e).__name__}: {e})"}
 
 
 def probe_smi(run: Callable = subprocess.run) -> dict:

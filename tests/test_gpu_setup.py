@@ -51,9 +51,50 @@ def test_nvidia_smi_probe_parses_names_driver_and_cuda():
     assert gs.probe_smi(fail)["gpus"] == [] and "no driver" in gs.probe_smi(fail)["error"]
 
 
+class _FakeNvml:
+    """pynvml's names for what probe_nvml asks; ``fail`` raises at nvmlInit as a machine without a driver does."""
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, names=(), fail=None):
+        self.names, self.fail, self.shutdown = list(names), fail, 0
+
+    def nvmlInit(self):
+        if self.fail:
+            raise self.fail
+
+    def nvmlShutdown(self):
+        self.shutdown += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.names)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetName(self, h):
+        return self.names[h].encode()          # older pynvml returns bytes
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.159.04"
+
+    def nvmlSystemGetCudaDriverVersion_v2(self):
+        return 13000
+
+
 def test_nvml_probe_without_the_library_says_so():
-    r = gs.probe_nvml("libnvidia-ml-does-not-exist.so.1")
-    assert r["gpus"] == [] and "not loadable" in r["error"]
+    r = gs.probe_nvml(_FakeNvml(fail=OSError("libnvidia-ml.so.1: cannot open shared object file")))
+    assert r["gpus"] == [] and "libnvidia-ml.so.1 cannot be asked" in r["error"] and "OSError" in r["error"]
+
+
+def test_nvml_probe_goes_through_forge_s_one_nvml_helper():
+    nv = _FakeNvml(["NVIDIA H200", "NVIDIA H200"])
+    assert gs.probe_nvml(nv) == {"via": "NVML", "gpus": ["NVIDIA H200"] * 2, "driver": "580.159.04",
+                                 "cuda_driver": "13.0"}
+    assert nv.shutdown == 1                      # NVML is shut down after the probe
+    # the same helper enumerates for pipeline.host.gpu.gpus() and forge doctor: one probe, one answer
+    from pipeline.host.gpu import gpus
+    assert [g["name"] for g in gpus(_FakeNvml(["NVIDIA H200"]))] == ["NVIDIA H200"]
 
 
 def test_no_gpu_plans_nothing():

@@ -32,19 +32,29 @@ def nvml_sm(nvml, handle) -> int | None:
     return int(major) * 10 + int(minor)
 
 
-def _nvml_gpus(nvml) -> list[dict]:
+@contextlib.contextmanager
+def nvml_handles(nvml):
+    """The one place forge starts NVML: ``nvmlInit`` for the block, the device handles in index order, and
+    ``nvmlShutdown`` after it, whatever the block raises. NVML's own errors (cannot start) propagate."""
     nvml.nvmlInit()
     try:
-        out = []
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            name = nvml.nvmlDeviceGetName(h)
-            out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                        "sm": nvml_sm(nvml, h)})
-        return out
+        yield [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())]
     finally:
         with contextlib.suppress(Exception):
             nvml.nvmlShutdown()
+
+
+def nvml_driver(nvml) -> dict:
+    """``{driver, cuda_driver}`` inside :func:`nvml_handles` (cuda_driver "13.0", from the driver's CUDA version)."""
+    cuda = nvml_call(nvml, "nvmlSystemGetCudaDriverVersion_v2") or nvml_call(nvml, "nvmlSystemGetCudaDriverVersion")
+    return {"driver": nvml_call(nvml, "nvmlSystemGetDriverVersion"),
+            "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None}
+
+
+def _nvml_gpus(nvml) -> list[dict]:
+    with nvml_handles(nvml) as handles:
+        return [{"index": i, "name": nvml_call(nvml, "nvmlDeviceGetName", h), "sm": nvml_sm(nvml, h)}
+                for i, h in enumerate(handles)]
 
 
 def _torch_gpus() -> list[dict]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import List, Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.markup import escape
 from rich.table import Table
 
@@ -197,64 +198,111 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
 
 
 # ------------------------------------------------------------------ history
-@app.command("history")
-def history_cmd(args: Optional[List[str]] = typer.Argument(
-                    None, metavar="[RECIPE...] | diff A [B] | add-bench RESULTS.json",
-                    help="recipes to show (default all); `diff A [B]`: what changed from night A to B (B default: "
-                         "the newest night of A's recipe; A/B: a night id, RECIPE (its newest), RECIPE~N (N before "
-                         "that) or RECIPE@good (its last good night)); `add-bench`: attach bench/run.py results"),
-                since: Optional[str] = typer.Option(None, "--since", help="only nights since: 7d, 36h, 2w or 2026-12-01"),
-                limit: int = typer.Option(20, "--limit", help="newest nights per recipe"),
-                html: Optional[Path] = typer.Option(None, "--html", help="write the trend page (self-contained HTML)"),
-                summary_md: Optional[Path] = typer.Option(None, "--summary-md", help="append tonight-vs-last-good "
-                                                          "Markdown (e.g. $GITHUB_STEP_SUMMARY)"),
-                as_json: bool = typer.Option(False, "--json", help="nights as JSON"),
-                history_db: Optional[Path] = HistoryOpt):
-    """Nightly history: a table per recipe over time, what changed between nights, a trend page, CI summaries."""
-    from .host.paths import history_db as default_db
+class _HistoryGroup(TyperGroup):
+    """`forge history [RECIPE...]` is `forge history show [RECIPE...]`; `diff` and `add-bench` are subcommands.
+    Options written before a subcommand's name go after it (`forge history --history DB diff A` works)."""
+    VALUED = {"--history", "--since", "--limit", "--html", "--summary-md"}
+
+    def parse_args(self, ctx, args):
+        i = 0
+        while i < len(args) and args[i].startswith("-") and args[i] != "--help":
+            i += 2 if args[i] in self.VALUED else 1
+        if i < len(args) and args[i] == "--help":
+            return super().parse_args(ctx, args)
+        if i < len(args) and args[i] in self.commands:
+            args = [args[i], *args[:i], *args[i + 1:]]
+        else:
+            args = ["show", *args]
+        return super().parse_args(ctx, args)
+
+
+history_app = typer.Typer(cls=_HistoryGroup, help="Nightly history: a table per recipe over time (`show`, the "
+                          "default), what changed between nights (`diff`), bench results attached (`add-bench`), "
+                          "a trend page and CI summaries.")
+app.add_typer(history_app, name="history")
+
+
+def _with_history(history_db: Path | None, use, *, write: bool = False):
+    """``use(History)`` on the run history (read-only unless ``write``: a read-only mount is fine for reading);
+    a history that cannot be opened or read is a ForgeError naming it."""
     from .history import History, HistoryUnavailable
-    path = history_db or default_db()
-    if not path.exists() and not (args or html or summary_md or as_json):
-        console.print(f"no nights recorded in {path}")     # nothing built yet: not an error, and nothing created
-        return
+    from .host.paths import history_db as default_db
     try:
-        h = History(path, read_only=(args or [])[:1] != ["add-bench"])   # reading: a read-only mount is fine
+        h = History(history_db or default_db(), read_only=not write)
     except HistoryUnavailable as e:
         raise ForgeError(f"run history: {e}") from None
     try:
-        _history(h, list(args or []), since, limit, html, summary_md, as_json)
+        return use(h)
     except HistoryUnavailable as e:
         raise ForgeError(f"run history: {e}") from None
     finally:
         h.close()
 
 
-def _history(h, args, since, limit, html, summary_md, as_json) -> None:
+@history_app.command("show")
+def history_show(recipes: Optional[List[str]] = typer.Argument(None, metavar="[RECIPE...]",
+                                                               help="recipes to show (default all)"),
+                 since: Optional[str] = typer.Option(None, "--since", help="only nights since: 7d, 36h, 2w or "
+                                                     "2026-12-01"),
+                 limit: int = typer.Option(20, "--limit", help="newest nights per recipe"),
+                 html: Optional[Path] = typer.Option(None, "--html", help="write the trend page (self-contained "
+                                                     "HTML)"),
+                 summary_md: Optional[Path] = typer.Option(None, "--summary-md", help="append tonight-vs-last-good "
+                                                           "Markdown (e.g. $GITHUB_STEP_SUMMARY)"),
+                 as_json: bool = typer.Option(False, "--json", help="nights as JSON"),
+                 history_db: Optional[Path] = HistoryOpt):
+    """A table per recipe over the nights (the default of `forge history`), or the trend page / CI summary / JSON."""
+    from .host.paths import history_db as default_db
+    path = history_db or default_db()
+    if not path.exists() and not (recipes or html or summary_md or as_json):
+        console.print(f"no nights recorded in {path}")     # nothing built yet: not an error, and nothing created
+        return
+    _with_history(path, lambda h: _show(h, list(recipes or []), since, limit, html, summary_md, as_json))
+
+
+@history_app.command("diff")
+def history_diff(a: Optional[str] = typer.Argument(None, metavar="A", help="a night id, RECIPE (its newest), "
+                                                   "RECIPE~N (N before that) or RECIPE@good (its last good night)"),
+                 b: Optional[str] = typer.Argument(None, metavar="B", help="as A (default: what changed since the "
+                                                   "last good night before A)"),
+                 history_db: Optional[Path] = HistoryOpt):
+    """What changed from night A to night B: recipe keys, tools, inputs, and how the metrics moved."""
+    if a is None:
+        raise UsageError("usage: forge history diff A [B]")
+
+    def diff(h):
+        from .history import render
+        first = _night(h, a)
+        second = _night(h, b) if b is not None else None
+        if second is None:   # one night given: what changed since the last good night before it
+            second, first = first, h.last_good(first.recipe, first.machine_class, before=first.id)
+            if first is None:
+                raise ForgeError(f"night {second.label} of {second.recipe}: no earlier good night to compare with; "
+                                 f"name two nights: forge history diff A B")
+        print(render.diff_text(first, second))
+    _with_history(history_db, diff)
+
+
+@history_app.command("add-bench")
+def history_add_bench(results: Optional[Path] = typer.Argument(None, metavar="RESULTS.json",
+                                                               help="bench/run.py or bench.serve results"),
+                      history_db: Optional[Path] = HistoryOpt):
+    """Attach `make bench` / `make bench-serve` results to the nights they measured (exit 1 if nothing matched)."""
+    if results is None:
+        raise UsageError("usage: forge history add-bench bench/out/results.json")
+    from .history.bench import add_bench
+    code = _with_history(history_db, lambda h: add_bench(h, results, console, err), write=True)
+    raise typer.Exit(code)
+
+
+def _show(h, recipes, since, limit, html, summary_md, as_json) -> None:
     from dataclasses import asdict
     from .history import render
-    if args[:1] == ["diff"]:
-        if len(args) not in (2, 3):
-            raise UsageError("usage: forge history diff A [B]")
-        a = _night(h, args[1])
-        b = _night(h, args[2]) if len(args) == 3 else None
-        if b is None:   # one night given: what changed since the last good night before it
-            b, a = a, h.last_good(a.recipe, a.machine_class, before=a.id)
-            if a is None:
-                raise ForgeError(f"night {b.label} of {b.recipe}: no earlier good night to compare with; "
-                                 f"name two nights: forge history diff A B")
-        print(render.diff_text(a, b))
-        return
-    if args[:1] == ["add-bench"]:
-        if len(args) != 2:
-            raise UsageError("usage: forge history add-bench bench/out/results.json")
-        from .history.bench import add_bench
-        code = add_bench(h, Path(args[1]), console, err)
-        raise typer.Exit(code)
     try:
         since_ts = render.parse_since(since) if since else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    recipes = args or h.recipes()
+    recipes = recipes or h.recipes()
     unknown = [r for r in recipes if r not in h.recipes()]
     if unknown:
         known = ", ".join(h.recipes()) or "none yet"

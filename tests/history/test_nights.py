@@ -163,3 +163,23 @@ def test_a_night_recorded_with_every_targets_section_diffs_only_its_own():
     assert recipe_changes(old, new) == []
     changed = night({"target": "onnxruntime", "onnxruntime": {"opt_level": "all"}})
     assert [c.path for c in recipe_changes(old, changed)] == ["build.onnxruntime.opt_level"]
+
+
+def test_history_subcommands_take_options_before_or_after_their_name(nightly_env, monkeypatch, capsys, tmp_path):
+    """`forge history` is a command group (show by default, diff, add-bench), not arguments parsed by hand: each
+    subcommand has its own --help, and --history written before the subcommand's name still reaches it."""
+    three_nights(nightly_env, monkeypatch, capsys)
+    db = str(tmp_path / "history.sqlite")
+    _, by_env, _ = forge(monkeypatch, capsys, "history", "diff", "3")
+    monkeypatch.setenv("FORGE_HISTORY", str(tmp_path / "elsewhere.sqlite"))      # only --history can find it now
+    for args in (["history", "--history", db, "diff", "3"], ["history", "diff", "3", "--history", db],
+                 ["history", f"--history={db}", "diff", "3"]):
+        code, out, err = forge(monkeypatch, capsys, *args)
+        assert (code, out) == (0, by_env), (args, err)
+    code, shown, _ = forge(monkeypatch, capsys, "history", "show", "nightly-synthetic", "--history", db)
+    assert code == 0 and shown == forge(monkeypatch, capsys, "history", "--history", db, "nightly-synthetic")[1]
+    assert "#3" in shown
+    code, out, _ = forge(monkeypatch, capsys, "history", "diff", "--help")
+    assert code == 0 and "RECIPE@good" in " ".join(out.split())
+    code, out, err = forge(monkeypatch, capsys, "history", "add-bench", "--history", db)
+    assert code == 2 and "usage: forge history add-bench" in " ".join((out + err).split())

@@ -60,3 +60,19 @@ def test_a_stage_that_cannot_run_here_blocks_only_what_needs_it():
     walk = StageWalk(FLOW, set())
     _run(walk, {"b": Status.CANNOT_RUN_HERE})
     assert [r.status for r in walk.in_order()] == ["built", "cannot-run-here", "built", "skipped"]
+
+
+def test_the_stage_orders_the_docs_print_are_the_registry_s():
+    """README's and docs/stages.md's stage lines are copies of each target's stages(): a stage added to a target
+    (tensorrt_llm's build_deploy was missing from both) fails here until the docs say it."""
+    import re
+    from pathlib import Path
+    from pipeline import target_registry
+
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("README.md", "docs/stages.md"):
+        text = (root / doc).read_text()
+        lines = dict(re.findall(r"^(\w+)\s*:\s*(source →.*)$", text, re.M))
+        assert set(lines) == set(target_registry.names()), doc
+        for name, line in lines.items():
+            assert line.split(" → ") == [s.name for s in target_registry.get(name).stages()], (doc, name)

@@ -8,23 +8,13 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tiny_engine import WORDS, expected_tokens
+from serve_helpers import NEEDS_TRITONSERVER, prompt, start_forge_serve
+from tiny_engine import expected_tokens
 from pipeline.errors import ForgeError
 from pipeline.triton import serve as serve_mod
 from pipeline.triton.serve import TritonServer, find_tritonserver, port_in_use
 
-try:
-    find_tritonserver()
-    HAVE_SERVER = True
-except ForgeError:
-    HAVE_SERVER = False
-
-pytestmark = [pytest.mark.serve,
-              pytest.mark.skipif(not HAVE_SERVER, reason="tritonserver missing: pip install --no-deps nvidia-pytriton==0.7.0")]
-
-
-def prompt(ids):
-    return " ".join(WORDS[i] for i in ids)
+pytestmark = NEEDS_TRITONSERVER
 
 
 def post_json(url, body):
@@ -164,29 +154,13 @@ def test_busy_port_refused(tiny_repo):
 
 
 def test_forge_serve_cli_stops_cleanly_on_sigterm(tiny_repo):
-    repo_dir = tiny_repo[0] if isinstance(tiny_repo, tuple) else tiny_repo
     """`forge serve REPO`: endpoints up, then SIGTERM (as from `kill` / `docker stop`) stops the server and frees the port."""
     import signal
-    import subprocess
-    import sys
-    import time
     import urllib.request
 
-    from pipeline.triton.serve import free_port, port_in_use
-
-    import threading
-
-    port = free_port()
-    p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", str(repo_dir), "--port", str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()
+    repo_dir = tiny_repo[0] if isinstance(tiny_repo, tuple) else tiny_repo
+    p, lines, port = start_forge_serve(repo_dir)
     try:
-        deadline = time.time() + 120
-        while not any("Ctrl-C stops it" in x for x in lines):   # forge says the server is up
-            assert p.poll() is None, p.stderr.read()
-            assert time.time() < deadline, "forge serve never reported the endpoints"
-            time.sleep(0.2)
         assert urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5).status == 200
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=60)

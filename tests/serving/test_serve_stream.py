@@ -9,22 +9,11 @@ import urllib.request
 import numpy as np
 import pytest
 
-from tiny_engine import WORDS, expected_tokens
-from pipeline.errors import ForgeError
-from pipeline.triton.serve import TritonServer, find_tritonserver, front_models
+from serve_helpers import NEEDS_TRITONSERVER, grpc_inputs, prompt
+from tiny_engine import expected_tokens
+from pipeline.triton.serve import TritonServer, front_models
 
-try:
-    find_tritonserver()
-    HAVE_SERVER = True
-except ForgeError:
-    HAVE_SERVER = False
-
-pytestmark = [pytest.mark.serve,
-              pytest.mark.skipif(not HAVE_SERVER, reason="tritonserver missing: pip install --no-deps nvidia-pytriton==0.7.0")]
-
-
-def prompt(ids):
-    return " ".join(WORDS[i] for i in ids)
+pytestmark = NEEDS_TRITONSERVER
 
 
 def as_list(v):
@@ -98,21 +87,12 @@ def test_grpc_stream_ends_with_a_final_response(server, front):
 def test_stream_of_two_prompts_is_refused_and_served_without(server):
     import tritonclient.grpc as grpc
 
-    def inputs(flag):
-        out = []
-        for name, dt, a in (("text_input", "BYTES", np.array([[prompt([1, 2]).encode()], [prompt([7]).encode()]], dtype=object)),
-                            ("max_tokens", "INT32", np.full((2, 1), 3, np.int32)), ("stream", "BOOL", np.full((2, 1), flag))):
-            t = grpc.InferInput(name, list(a.shape), dt)
-            t.set_data_from_numpy(a)
-            out.append(t)
-        return out
-
     got = []
     c = grpc.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: got.append((result, error)))
     try:
-        c.async_stream_infer("ensemble", inputs(False), request_id="two")
-        c.async_stream_infer("ensemble", inputs(True), request_id="two-stream")
+        c.async_stream_infer("ensemble", grpc_inputs([prompt([1, 2]), prompt([7])], 3, False), request_id="two")
+        c.async_stream_infer("ensemble", grpc_inputs([prompt([1, 2]), prompt([7])], 3, True), request_id="two-stream")
     finally:
         c.stop_stream()
     results = {r.get_response().id: r for r, e in got if e is None}

@@ -17,22 +17,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from serve_helpers import NEEDS_TRITONSERVER, grpc_inputs, prompt
 from tiny_engine import EOS, WORDS, expected_tokens
 from pipeline.errors import ForgeError
 from pipeline.triton.pbtxt import parse_config, to_pbtxt, write_config
 from pipeline.triton.repo_trtllm import write_trtllm_repo
-from pipeline.triton.serve import TritonServer, endpoints, find_tritonserver, front_models
+from pipeline.triton.serve import TritonServer, endpoints, front_models
 
 HERE = Path(__file__).parent
 
-try:
-    find_tritonserver()
-    HAVE_SERVER = True
-except ForgeError:
-    HAVE_SERVER = False
-
-pytestmark = [pytest.mark.serve,
-              pytest.mark.skipif(not HAVE_SERVER, reason="tritonserver missing: pip install --no-deps nvidia-pytriton==0.7.0")]
+pytestmark = NEEDS_TRITONSERVER
 
 ENGINE_CFG = {  # the keys of a trtllm-build config.json that forge reads; tp 1
     "pretrained_config": {"architecture": "LlamaForCausalLM", "logits_dtype": "float16",
@@ -106,10 +100,6 @@ def server(tiny_artifacts, tmp_path_factory):
         yield srv
 
 
-def prompt(ids):
-    return " ".join(WORDS[i] for i in ids)
-
-
 def post(url, body):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -164,23 +154,12 @@ def test_streaming_sends_one_event_per_token(server, front):
 def test_bls_refuses_stream_of_two_prompts_but_answers_two_without(server):
     import tritonclient.grpc as grpc
 
-    def inputs(texts, stream_flag):
-        arrs = [("text_input", "BYTES", np.array([[t.encode()] for t in texts], dtype=object)),
-                ("max_tokens", "INT32", np.full((len(texts), 1), 3, np.int32)),
-                ("stream", "BOOL", np.full((len(texts), 1), stream_flag))]
-        out = []
-        for name, dt, a in arrs:
-            t = grpc.InferInput(name, list(a.shape), dt)
-            t.set_data_from_numpy(a)
-            out.append(t)
-        return out
-
     got = []
     c = grpc.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: got.append((result, error)))
     try:
-        c.async_stream_infer("tensorrt_llm_bls", inputs([prompt([1, 2]), prompt([7])], False), request_id="two")
-        c.async_stream_infer("tensorrt_llm_bls", inputs([prompt([1, 2]), prompt([7])], True), request_id="two-stream")
+        c.async_stream_infer("tensorrt_llm_bls", grpc_inputs([prompt([1, 2]), prompt([7])], 3, False), request_id="two")
+        c.async_stream_infer("tensorrt_llm_bls", grpc_inputs([prompt([1, 2]), prompt([7])], 3, True), request_id="two-stream")
     finally:
         c.stop_stream()    # waits for the responses in flight
     results = {r.get_response().id: r for r, e in got if e is None}

@@ -196,7 +196,8 @@ def main(argv=None) -> int:
             # forge serve of each recipe's package, one answer per prompt over HTTP and gRPC through tritonclient,
             # each compared with the evaluate stage's validated greedy tokens (bench/serve.py)
             step(res, "bench.serve (forge serve + tritonclient http,grpc)", [PY, "-m", "bench.serve", *a.recipes,
-                 "--levels", "1", "--requests", "4", "--protocols", "http,grpc", "--out", str(OUT / "serve")],
+                 "--levels", "1", "--requests", "4", "--protocols", "http,grpc", "--out", str(OUT / "serve"),
+                 "--from-reports", str(OUT / "build")],   # where the forge phase's --report-dir put the reports
                  a.timeout, log)
         else:
             step(res, "serve fp16 (tritonserver) + one /generate", [PY, str(ROOT / "lab/gpu_ort_run.py"),

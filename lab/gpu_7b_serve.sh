@@ -54,7 +54,7 @@ finish)
   end=$((SECONDS + ${3:-550}))
   collect() {
     cp $W/bg.log $O/*.json "$OUT/" 2>/dev/null
-    tar -C $O -czf "$OUT/o7b.tgz" --exclude=engine --exclude='*.onnx*' . 2>/dev/null; }
+    cp $O/nbits.log "$OUT/" 2>/dev/null; tar -C $O -czf "$OUT/o7b.tgz" --exclude=engine --exclude='*.onnx*' . 2>/dev/null; }
   while [ ! -e $W/bg.done ] && [ $SECONDS -lt $end ]; do collect; sleep 5; done
   collect; tail -30 $W/bg.log;;
 bg)
@@ -90,6 +90,9 @@ bg)
   t "pytriton in"
   export PIP_NO_INDEX=1 PIP_FIND_LINKS=$W/late
   $G client --recipes $R --timeout 400; t "client"
+  # MatMulNBits vs fp16 MatMul at M=1 on the 7B MLP shapes (the INT4 decode lever), once the GPU is free
+  timeout 150 lab/gpu_ort_run.sh --exec python3 lab/nbits_kernel_bench.py --device cuda --out $O/nbits.json \
+    > $O/nbits.log 2>&1; t "nbits rc $?"; tail -8 $O/nbits.log
   touch $W/bg.done;;
 *) echo "usage: $0 pack DEST | start DIR | recv DIR | finish DIR [S] | bg" >&2; exit 2;;
 esac

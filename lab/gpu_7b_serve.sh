@@ -54,7 +54,9 @@ finish)
   end=$((SECONDS + ${3:-550}))
   collect() {
     cp $W/bg.log $O/*.json "$OUT/" 2>/dev/null
-    cp $O/nbits.log "$OUT/" 2>/dev/null; tar -C $O -czf "$OUT/o7b.tgz" --exclude=engine --exclude='*.onnx*' . 2>/dev/null; }
+    # the logs and the serve JSON as plain files too: on 2026-12-06 the archive did not come back (files_left_out)
+    cp $O/nbits.log $O/7b-*.log "$OUT/" 2>/dev/null; cp $O/serve/serve.json "$OUT/serve.json" 2>/dev/null
+    tar -C $O -czf "$OUT/o7b.tgz" --exclude=engine --exclude='*.onnx*' . 2>/dev/null; }
   while [ ! -e $W/bg.done ] && [ $SECONDS -lt $end ]; do collect; sleep 5; done
   collect; tail -30 $W/bg.log;;
 bg)

@@ -49,7 +49,10 @@ def chain_model(hidden: int, inter: int, pairs: int, seed: int) -> onnx.ModelPro
             x = y
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, hidden])],
                           [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, hidden])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    # IR 10: onnx 1.23 writes IR 14 by default, which ONNX Runtime 1.31 refuses ("max supported IR version: 13";
+    # seen on the GPU image, 2026-12-06)
+    return helper.make_model(g, ir_version=10,
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
 
 
 def quantized(model: onnx.ModelProto, q: dict | None) -> onnx.ModelProto:

@@ -201,12 +201,14 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
 class _HistoryGroup(TyperGroup):
     """`forge history [RECIPE...]` is `forge history show [RECIPE...]`; `diff` and `add-bench` are subcommands.
     Options written before a subcommand's name go after it (`forge history --history DB diff A` works)."""
-    VALUED = {"--history", "--since", "--limit", "--html", "--summary-md"}
 
     def parse_args(self, ctx, args):
+        # the subcommands' options that take a value (read from their declarations, not listed again here)
+        valued = {o for c in self.commands.values() for p in c.params
+                  if p.param_type_name == "option" and not getattr(p, "is_flag", False) for o in p.opts}
         i = 0
         while i < len(args) and args[i].startswith("-") and args[i] != "--help":
-            i += 2 if args[i] in self.VALUED else 1
+            i += 2 if args[i] in valued else 1
         if i < len(args) and args[i] == "--help":
             return super().parse_args(ctx, args)
         if i < len(args) and args[i] in self.commands:

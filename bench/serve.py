@@ -180,7 +180,7 @@ def bench_recipe(recipe: str, levels: list[int], requests: int, protos: list[str
     s["mismatches"] = sum(m["mismatches"] for per in s["protocols"].values() for m in per.values())
     s["ratios"] = {proto: {f"c{c}/c1": (per[str(c)]["req_s"] / per["1"]["req_s"]) if "1" in per and per["1"]["req_s"]
                            else None for c in levels if c != 1} for proto, per in s["protocols"].items()}
-    engine_meta = Path(results["build"].payload) / "forge_ort.json"
+    engine_meta = Path(payloads["build"]) / "forge_ort.json"
     if engine_meta.exists():
         meta = json.loads(engine_meta.read_text())
         s["batch_invariant"] = meta.get("batch_invariant")

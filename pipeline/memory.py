@@ -46,6 +46,7 @@ QUANT_ALGOS = {
     "bf16": (16, "bf16 weights"),
     "fp32": (32, "fp32 weights"),
     "int8_sq": (8, "INT8 SmoothQuant W8A8 (per-channel weight scales, smoothing vectors)"),
+    "int8_sq_per_token": (8, "INT8 SmoothQuant W8A8, per-token activation scales (TensorRT-LLM's plugin path)"),
     "int8_wo": (8, "INT8 weight-only (per-channel scales)"),
     "int4_wo": (4, "INT4 weight-only (per-channel scales)"),
     "int4_awq": (4, "INT4 AWQ (group scales, pre-quant smoothing vectors)"),
@@ -193,8 +194,10 @@ def _kv_heads_per_rank(info: ModelInfo, tp: int) -> int:
                      f"multiple of it; use a tp that divides {kvh} or a multiple of {kvh}")
 
 
-def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size: int) -> tuple[int, int]:
-    """(weight bytes, scale bytes) of one linear layer [out_f x in_f] under ``quant``."""
+def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size: int,
+                  row: bool = False) -> tuple[int, int]:
+    """(weight bytes, scale bytes) of one linear layer [out_f x in_f] under ``quant``; ``row``: row-parallel
+    (attention dense, MLP down)."""
     n = in_f * out_f
     if quant == "none":
         return n * act_bytes, 0
@@ -204,6 +207,9 @@ def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size:
         return n * 4, 0
     if quant == "int8_sq":   # fp32 per-channel weight scale, fp32 activation scale, fp16 smoothing vector
         return n, out_f * 4 + 4 + in_f * 2
+    if quant == "int8_sq_per_token":
+        # fp32 per_channel_scale (1, out); fp32 smoother (1, in) on the row linears (pipeline/trtllm/sq_per_token.py)
+        return n, out_f * 4 + (in_f * 4 if row else 0)
     if quant == "int8_wo":
         return n, out_f * act_bytes
     if quant == "int4_wo":
@@ -256,26 +262,27 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     layers = math.ceil(info.num_layers / pp)
     i_r = i_sz // tp
 
-    linears = [(h, (q_heads + 2 * kvr) * hd),   # fused QKV (column parallel)
-               (q_heads * hd, h),               # attention dense (row parallel)
-               (h, i_r), (h, i_r),              # gate, up (column parallel)
-               (i_r, h)]                        # down (row parallel)
+    linears = [(h, (q_heads + 2 * kvr) * hd, False),   # fused QKV (column parallel)
+               (q_heads * hd, h, True),                # attention dense (row parallel)
+               (h, i_r, False), (h, i_r, False),       # gate, up (column parallel)
+               (i_r, h, True)]                         # down (row parallel)
     w_lin = s_lin = p_lin = 0
-    for in_f, out_f in linears:
-        wb, sb = _linear_bytes(quant, in_f, out_f, act, group_size)
+    for in_f, out_f, row in linears:
+        wb, sb = _linear_bytes(quant, in_f, out_f, act, group_size, row)
         w_lin += wb
         s_lin += sb
         p_lin += in_f * out_f
     w_lin, s_lin, p_lin = w_lin * layers, s_lin * layers, p_lin * layers
     bias_params = ((q_heads + 2 * kvr) * hd if info.attention_bias else 0)
     # Gemma 3: 4 norms per layer; Qwen3 / Gemma 3: per-head q/k norms (head_dim each)
-    norm_params = (info.norms_per_layer * h + (2 * hd if info.qk_norm else 0) + bias_params) * layers
+    norm_params = (info.norms_per_layer * h + (2 * hd if info.qk_norm else 0) + bias_params
+                   + (2 if quant == "int8_sq_per_token" else 0)) * layers     # + the two norms' scale_to_int
     emb_params = (math.ceil(info.vocab_size / tp) if parallel_embedding else info.vocab_size) * h
     head_params = math.ceil(info.vocab_size / tp) * h
 
-    lin_dtype = {"none": dtype, "int8_sq": "int8", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4",
+    lin_dtype = {"none": dtype, "int8_sq": "int8", "int8_sq_per_token": "int8", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4",
                  "fp8": "fp8"}.get(quant, quant)
-    scale_dtype = "fp32/" + dtype if quant == "int8_sq" else ("fp32" if quant == "fp8" else dtype)
+    scale_dtype = "fp32/" + dtype if quant == "int8_sq" else "fp32" if quant == "int8_sq_per_token" else ("fp32" if quant == "fp8" else dtype)
     # Worst pipeline stage: with pp == 1 one rank holds both; with pp > 1 the first stage holds the
     # embedding and the last stage lm_head + final norm; report the larger.
     if pp == 1:
@@ -382,8 +389,8 @@ def _hw_problems(plan: MemoryPlan, gpu: GpuSpec) -> list[str]:
     probs = []
     sm = f"SM {gpu.sm[0]}.{gpu.sm[1]}"
     if plan.args["quant_algo"] == "fp8" and not gpu.has_fp8:
-        probs.append(f"{gpu.name} ({sm}) has no FP8 tensor cores: set {RECIPE_KEYS['quant_algo']} to int8_sq "
-                     f"or int4_awq")
+        probs.append(f"{gpu.name} ({sm}) has no FP8 tensor cores: set {RECIPE_KEYS['quant_algo']} to "
+                     f"int8_sq_per_token or int4_awq")
     if plan.args["kv_cache"] == "fp8" and not gpu.has_fp8:
         probs.append(f"{gpu.name} ({sm}) has no FP8: set {RECIPE_KEYS['kv_cache']}=int8")
     if plan.args["dtype"] in ("bfloat16", "bf16") and gpu.sm < (8, 0):

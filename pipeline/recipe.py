@@ -120,7 +120,8 @@ class QuantizeSection(Section):
     algo: str = Field("none", description="the quantization algorithm: one the build target's quantizers offer "
                                           "(pipeline/targets)")
     alpha: Optional[float] = Field(None, ge=0, le=1, description=(
-        "SmoothQuant migration strength (tensorrt_llm int8_sq: default 1.0, ModelOpt's; onnxruntime int8: "
+        "SmoothQuant migration strength (tensorrt_llm int8_sq: default 1.0, ModelOpt's; int8_sq_per_token: default "
+        "0.5, TensorRT-LLM's; onnxruntime int8: "
         "quantize.options.smoothquant_alpha)"))
     block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
         "weights per scale (tensorrt_llm int4: default 128 where it divides every width; onnxruntime int8 "
@@ -926,7 +927,7 @@ def quantize_problems(q: dict, target: str) -> list[str]:
     method, algo, kv = q.get("method"), q.get("algo"), q.get("kv_cache", "none")
     allowed = t.algos
     if isinstance(algo, str) and algo not in allowed:
-        hint = "; 'int8' is the onnxruntime target's format, use int8_sq or int8_wo here" \
+        hint = "; 'int8' is the onnxruntime target's format, use int8_sq_per_token, int8_sq or int8_wo here" \
             if target == "tensorrt_llm" and algo == "int8" else ""
         p.append(f"quantize.algo: '{algo}' is not available for build.target '{target}' "
                  f"(allowed: {', '.join(sorted(allowed))}){hint}")

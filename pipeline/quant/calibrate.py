@@ -126,7 +126,10 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     from pipeline.modelinfo import ModelInfo
 
     from . import artifact
+    from pipeline.trtllm.build_config import SMOOTHQUANT_ALGOS
+
     from .configs import modelopt_config, needs_sm, resolve_quant_config, trtllm_quantization, validate_quant_config
+    from .per_token import per_token_activations, static_activations
     from .qat import train_qat
     from .stats import collect_layer_stats, save_stats, top_outliers
 
@@ -150,7 +153,7 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
 
     m: dict = {"label": "simulated: ModelOpt fake quantization in PyTorch (not an engine)",
                "algo": c["algo"], "method": c["method"], "kv_cache": c["kv_cache"], "device": device,
-               "alpha": c["alpha"] if c["algo"] == "int8_sq" else None,
+               "alpha": c["alpha"] if c["algo"] in SMOOTHQUANT_ALGOS else None,
                "block_size": c["block_size"] if c["algo"] in ("int4_wo", "int4_awq") else None,
                "needs_sm": needs_sm(c["algo"], c["kv_cache"]), "trtllm_quantization": trtllm_quantization(c, info),
                "seconds": {}}
@@ -168,6 +171,8 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     mtq_cfg = modelopt_config(c, info)
     (model, act_amax), m["seconds"]["calibrate"] = timed(
         calibrate, model, mtq_cfg, calib if quantizes else None, int(c["calibration"]["batch"]), device)
+    if c["algo"] == "int8_sq_per_token":
+        m["per_token_quantizers"] = per_token_activations(model)
     rows = collect_layer_stats(model, act_amax)
     save_stats(rows, out_dir / artifact.STATS_FILE)
     m["top_outliers"] = top_outliers(rows)
@@ -190,6 +195,7 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     if "ppl_qat_delta_pct" in m and m.get("ppl_ptq_delta_pct"):
         m["qat_gap_recovered"] = 1.0 - m["ppl_qat_delta_pct"] / m["ppl_ptq_delta_pct"]
 
+    static_activations(model)       # the per-token override is not ModelOpt state (per_token.py)
     artifact.save_artifact(model.to("cpu"), out_dir, {"quantize": c, "modelopt_config": mtq_cfg,
                                                       "trtllm_quantization": m["trtllm_quantization"],
                                                       "needs_sm": m["needs_sm"], "model": info.to_dict()})

@@ -5,7 +5,7 @@ size, KV cache, options.exclude, calibration set / split / samples / seq_len / b
 setting), so a stage config built from that dict changes its cache key with any of them.
 
 The algo → ModelOpt mapping follows TensorRT-LLM's ``quantize_by_modelopt.py`` (trtllm-reference.md §3):
-int8_sq → ``INT8_SMOOTHQUANT_CFG``, fp8 → ``FP8_DEFAULT_CFG``, int4_awq → ``INT4_AWQ_CFG``. For int8_wo / int4_wo
+int8_sq / int8_sq_per_token → ``INT8_SMOOTHQUANT_CFG``, fp8 → ``FP8_DEFAULT_CFG``, int4_awq → ``INT4_AWQ_CFG``. For int8_wo / int4_wo
 TensorRT-LLM exports with ``EMPTY_CFG`` and quantizes the weights at build time; for our simulated accuracy we
 use ModelOpt's real weight-only fake-quant presets (``INT8_WEIGHT_ONLY_CFG``, ``INT4_BLOCKWISE_WEIGHT_ONLY_CFG``)
 so the accuracy table shows the loss those formats cause.
@@ -21,16 +21,17 @@ from pipeline.gpus import min_sm
 from pipeline.modelinfo import ModelInfo
 from pipeline.recipe import QuantizeSection
 from pipeline.recipe_options import ModeloptOptions
-from pipeline.trtllm.build_config import KV_CACHE_ALGO, QUANT_ALGO
+from pipeline.trtllm.build_config import KV_CACHE_ALGO, QUANT_ALGO, SMOOTHQUANT_ALGOS
 
 # the recipe schema's choices (pipeline/recipe.py), for callers of this module
 METHODS = get_args(QuantizeSection.model_fields["method"].annotation)
 ALGOS = tuple(QUANT_ALGO)      # the tensorrt_llm target's algos (pipeline/targets/tensorrt_llm.py reads the same map)
 KV_CACHE = get_args(QuantizeSection.model_fields["kv_cache"].annotation)
 INT4_ALGOS = ("int4_wo", "int4_awq")
-# SmoothQuant migration strength when quantize.alpha is unset: ModelOpt's own default. On SmolLM2
-# (docs/quantization.md) 1.0 loses less than 0.5 (+22.9 % vs +29.5 % perplexity); both lose a lot.
-DEFAULT_ALPHA = 1.0
+# SmoothQuant migration strength when quantize.alpha is unset. int8_sq: ModelOpt's own default; on SmolLM2
+# (docs/quantization.md) 1.0 loses less than 0.5 (+22.9 % vs +29.5 % perplexity), both a lot. int8_sq_per_token:
+# TensorRT-LLM's QuantConfig.smoothquant_val default (0.5); on SmolLM2 0.5 gives +0.98 %, 1.0 +6.3 %.
+DEFAULT_ALPHA = {"int8_sq": 1.0, "int8_sq_per_token": 0.5}
 
 
 def _defaults() -> dict:
@@ -43,7 +44,7 @@ def resolve_quant_config(q: dict | None, info: ModelInfo | None = None) -> dict:
     from pipeline.recipe import deep_merge
     c = deep_merge(_defaults(), q or {})
     if c["alpha"] is None:
-        c["alpha"] = DEFAULT_ALPHA
+        c["alpha"] = DEFAULT_ALPHA.get(c["algo"], 1.0)
     if c["block_size"] is None:
         c["block_size"] = default_block_size(info) if info is not None else 128
     if c["method"] == "none":
@@ -128,7 +129,9 @@ def modelopt_config(q: dict, info: ModelInfo | None = None) -> dict:
 
     c = resolve_quant_config(q, info)
     algo = c["algo"]
-    if algo == "int8_sq":
+    if algo in SMOOTHQUANT_ALGOS:
+        # per-token too: the smoothing vectors and int8 weights come from the same calibration; the activations
+        # are then quantized per token at run time (pipeline/quant/per_token.py), the static amax is unused
         cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)
         cfg["algorithm"] = {"method": "smoothquant", "alpha": float(c["alpha"])}
     elif algo == "int8_wo":
@@ -164,7 +167,7 @@ def trtllm_quantization(q: dict, info: ModelInfo | None = None) -> dict:
     out = {"quant_algo": QUANT_ALGO[c["algo"]], "kv_cache_quant_algo": KV_CACHE_ALGO[c["kv_cache"]]}
     if c["algo"] in INT4_ALGOS:
         out["group_size"] = int(c["block_size"])
-    if c["algo"] == "int8_sq":
+    if c["algo"] in SMOOTHQUANT_ALGOS:
         out["smoothquant_val"] = float(c["alpha"])
     return out
 

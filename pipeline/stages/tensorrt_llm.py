@@ -45,7 +45,8 @@ def calibrates(q) -> bool:
 class ModeloptQuantize(Stage):
     """ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved."""
     name = "quantize"
-    version = "2"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest)
+    version = "3"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest); 3: an
+    #                 int8_sq_per_token artifact without the per-token override pickled in (it did not restore)
     needs = ("source",)
     tools = MODELOPT_TOOLS
 

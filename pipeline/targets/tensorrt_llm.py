@@ -51,7 +51,7 @@ class TrtllmBuild(Section):
 
 
 # the quantize-section keys ModelOpt's configs read per algo (pipeline/quant/configs.modelopt_config)
-_SECTION_KEYS = {"int8_sq": ("alpha",), "int4_wo": ("block_size",), "int4_awq": ("block_size",)}
+_SECTION_KEYS = {"int8_sq": ("alpha",), "int8_sq_per_token": ("alpha",), "int4_wo": ("block_size",), "int4_awq": ("block_size",)}
 
 def plan_notes(recipe, info, console) -> None:
     """The prompt limit the runtime will accept, and the per-rank GPU memory plan (docs/trtllm-memory.md)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..gpus import min_sm
 from ..modelinfo import ModelInfo
-from .families import ARCHITECTURES
+from .families import ARCHITECTURES, family_of
 
 KEY = "build.tensorrt_llm"
 
@@ -26,12 +26,17 @@ KEY = "build.tensorrt_llm"
 QUANT_ALGO = {
     "none": None,
     "int8_sq": "W8A8_SQ_PER_CHANNEL",
+    # per-token activation scales: ModelOpt's int8_sq export rewritten into the plugin layout (sq_per_token.py)
+    "int8_sq_per_token": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
     "int8_wo": "W8A16",
     "int4_wo": "W4A16",
     "int4_awq": "W4A16_AWQ",
     "fp8": "FP8",
 }
 KV_CACHE_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
+# the SmoothQuant algos: both read quantize.alpha and start from ModelOpt's INT8_SMOOTHQUANT_CFG calibration
+SMOOTHQUANT_ALGOS = ("int8_sq", "int8_sq_per_token")
+SQ_QUANT_ALGOS = {QUANT_ALGO[a] for a in SMOOTHQUANT_ALGOS}
 
 # Archs whose TRT-LLM model implements reduce_fusion (build.py: forced off otherwise).
 REDUCE_FUSION_ARCHS = {"LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM"}
@@ -115,14 +120,22 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         if k % tp and tp % k:
             p.append(f"{KEY}.tp: {tp} and the model's {k} KV heads (GQA) do not divide each other; TensorRT-LLM "
                      f"splits KV heads across ranks (tp divides {k}) or duplicates them (tp a multiple of {k})")
-        elif tp > k and qalgo == "W8A8_SQ_PER_CHANNEL":
-            p.append(f"{algo_key}: int8_sq with {KEY}.tp={tp} > {k} KV heads needs the per-channel k/v weight scales "
+        elif tp > k and qalgo in SQ_QUANT_ALGOS:
+            p.append(f"{algo_key}: {algo} with {KEY}.tp={tp} > {k} KV heads needs the per-channel k/v weight scales "
                      f"duplicated with the KV heads, which ModelOpt's export does not support; use {KEY}.tp <= {k} "
                      f"or quantize.algo int8_wo / fp8")
         if layers % pp:
             ok = [x for x in range(1, layers + 1) if layers % x == 0]
             p.append(f"{KEY}.pp: {pp} does not divide the {layers} decoder layers (ModelOpt's checkpoint export "
                      f"needs equal stages); valid pp values: {', '.join(map(str, ok[:8]))}")
+    if qalgo == QUANT_ALGO["int8_sq_per_token"]:
+        fam = family_of(info.architecture)
+        if fam is not None and (fam.qk_norm or fam.inter_layernorms):
+            # smooth_quantize_plugin swaps every RmsNorm but ln_f for SmoothQuantRmsNorm, and SmoothQuantAttention
+            # has no q/k norm (tensorrt_llm/quantization/quantize.py @ 89fd9b7; layers.py, index id 790827869)
+            p.append(f"{algo_key}: int8_sq_per_token is TensorRT-LLM's SmoothQuant plugin path, whose attention has "
+                     f"no q/k norms and whose norm swap would quantize {info.architecture}'s per-head and "
+                     f"feed-forward norms; use quantize.algo int8_sq, int8_wo or fp8 for this model")
     if qalgo == "W4A16_AWQ":
         p.append(f"{algo_key}: int4_awq (W4A16_AWQ) has no checkpoint contract / reference numerics in forge's "
                  f"TensorRT-LLM target yet; use int8_sq, int8_wo, int4_wo or fp8")
@@ -195,7 +208,7 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
     if gpu_sm is not None:
         sm = int(gpu_sm)
         if sm >= 100:
-            if qalgo in ("W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16", "W4A16_AWQ"):
+            if qalgo in (*SQ_QUANT_ALGOS, "W8A16", "W4A16", "W4A16_AWQ"):
                 p.append(f"{algo_key}: {algo} ({qalgo}) is not supported by TensorRT-LLM on SM {sm} (Blackwell); "
                          f"use quantize.algo fp8")
             if kvalgo == "INT8":

@@ -23,7 +23,7 @@ from ..host.rss import PeakRss
 from ..errors import ForgeError
 from ..modelinfo import ModelInfo, sliding_window_pattern
 from ..progress import progress_bar
-from .build_config import KV_CACHE_ALGO, QUANT_ALGO
+from .build_config import KV_CACHE_ALGO, QUANT_ALGO, SQ_QUANT_ALGOS
 from .families import require_family
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -183,8 +183,8 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
         raise ForgeError(f"build.tensorrt_llm.dtype: {dtype!r}; TensorRT-LLM checkpoints are float16 or bfloat16")
     decoder = decoder_type_for(info)
     algo = quant.get("algo") or "none"
-    if QUANT_ALGO.get(algo, "?") == "W8A8_SQ_PER_CHANNEL" and tp > info.num_kv_heads:
-        raise ForgeError(f"quantize.algo: int8_sq with build.tensorrt_llm.tp={tp} > {info.num_kv_heads} KV heads is "
+    if QUANT_ALGO.get(algo, "?") in SQ_QUANT_ALGOS and tp > info.num_kv_heads:
+        raise ForgeError(f"quantize.algo: {algo} with build.tensorrt_llm.tp={tp} > {info.num_kv_heads} KV heads is "
                          f"not exportable (ModelOpt cannot duplicate per-channel k/v scales); use tp <= "
                          f"{info.num_kv_heads}")
     if hf_dir is not None and (Path(hf_dir) / "config.json").exists():
@@ -215,6 +215,10 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     cfg = json.loads((out / "config.json").read_text())
     cfg = apply_config_fixups(cfg, info, hf_cfg, quant)
     (out / "config.json").write_text(json.dumps(cfg, indent=4))
+    if algo == "int8_sq_per_token" and quant.get("method") != "none":
+        from .sq_per_token import to_per_token
+        to_per_token(out)
+        cfg = json.loads((out / "config.json").read_text())
     fp16_bytes = info.num_params * 2
     return {
         "seconds": round(seconds, 3),

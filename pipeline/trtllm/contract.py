@@ -30,7 +30,7 @@ QUANT_ALGOS = {None, "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W
                "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "FP8",
                "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", "MIXED_PRECISION"}
 # Algos whose per-tensor layout this module encodes exactly; others fail the check as unsupported.
-CHECKED_ALGOS = {None, "W8A16", "W4A16", "W8A8_SQ_PER_CHANNEL", "FP8"}
+CHECKED_ALGOS = {None, "W8A16", "W4A16", "W8A8_SQ_PER_CHANNEL", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "FP8"}
 KV_ALGOS = {None, "INT8", "FP8", "NVFP4"}
 ST_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
@@ -50,6 +50,9 @@ RULE_VOCAB = "§1.6 vocab padded to a multiple of tp (zero rows), then split on 
 RULE_NORM = "§1.6 layer norms are not split"
 RULE_SQ = "§1.9 W8A8_SQ_PER_CHANNEL (ModelOpt): int8 weight (out,in), fp32 weights_scaling_factor (out,), " \
           "fp32 activation_scaling_factor (1,), prequant_scaling_factor (in,) in model dtype"
+RULE_SQ_PT = "§1.8 W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (sq_per_token.py): int8 weight (out,in), fp32 " \
+             "per_channel_scale (1,out), fp32 smoother (1,in) on dense/proj, norm scale_to_int (1,) in model dtype; " \
+             "no act_scale (layers.py SmoothQuantLinear/RowLinear/RmsNorm, index id 790827869)"
 RULE_WO = "§1.7 weight-only: float weight (trtllm-build quantizes) or int8 (in, out*bits/8) + per_channel_scale"
 RULE_FP8 = "§1.10 FP8: fp8 weight (out,in), fp32 weights/activation_scaling_factor (1,)"
 RULE_KV = "§1.10 KV-cache quantization: attention.kv_cache_scaling_factor fp32 (1,)"
@@ -120,6 +123,9 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
         pre = f"transformer.layers.{local}."
         add(pre + "input_layernorm.weight", (H,), dt, RULE_NORM)
         add(pre + "post_layernorm.weight", (H,), dt, RULE_NORM)
+        if algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
+            add(pre + "input_layernorm.scale_to_int", (1,), dt, RULE_SQ_PT)
+            add(pre + "post_layernorm.scale_to_int", (1,), dt, RULE_SQ_PT)
         if fam is not None and fam.qk_norm:
             add(pre + "attention.q_layernorm.weight", (D,), dt, RULE_QK)
             add(pre + "attention.k_layernorm.weight", (D,), dt, RULE_QK)
@@ -143,6 +149,11 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
                 add(pre + lin + ".weights_scaling_factor", (o,), {"F32"}, RULE_SQ)
                 add(pre + lin + ".activation_scaling_factor", (1,), {"F32"}, RULE_SQ)
                 add(pre + lin + ".prequant_scaling_factor", (i,), dt, f"{RULE_SQ}; row-parallel: split with the input")
+            elif algo == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN":
+                add(w, (o, i), {"I8"}, f"{rule}; {RULE_SQ_PT}")
+                add(pre + lin + ".per_channel_scale", (1, o), {"F32"}, RULE_SQ_PT)
+                if lin in ROW_LINEARS:
+                    add(pre + lin + ".smoother", (1, i), {"F32"}, f"{RULE_SQ_PT}; row-parallel: split with the input")
             elif algo in ("W8A16", "W4A16"):
                 add(w, None, dt | {"I8"}, f"{rule}; {RULE_WO}")  # shape depends on the form, checked below
                 add(pre + lin + ".per_channel_scale", (o,), dt, RULE_WO, required=False)
@@ -226,7 +237,12 @@ def _config_problems(cfg: dict) -> list[str]:
         p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')!r} is not a TensorRT-LLM QuantAlgo (rule §1.4)")
     elif q.get("quant_algo") not in CHECKED_ALGOS:
         p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')} has no tensor contract in forge "
-                 f"(checked: W8A8_SQ_PER_CHANNEL, W8A16, W4A16, FP8, none) (rule §1.4)")
+                 f"(checked: W8A8_SQ_PER_CHANNEL, W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, W8A16, W4A16, FP8, none) (rule §1.4)")
+    fam = family_of(cfg["architecture"])
+    if q.get("quant_algo") == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and fam is not None \
+            and (fam.qk_norm or fam.inter_layernorms):
+        p.append(f"config.json: quant_algo W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN for {cfg['architecture']}: the "
+                 f"SmoothQuant plugin swap has no q/k or feed-forward norms (rule {RULE_SQ_PT})")
     if q.get("kv_cache_quant_algo") not in KV_ALGOS:
         p.append(f"config.json: quantization.kv_cache_quant_algo {q.get('kv_cache_quant_algo')!r} not in "
                  f"FP8/INT8/NVFP4/null (rule §1.4 KV_CACHE_QUANT_ALGO_LIST)")
@@ -300,7 +316,7 @@ def _rank_problems(path: Path, cfg: dict, rank: int) -> list[str]:
                 p.append(f"{path.name}: {name}: dtype {got_dt} not in {sorted(dtypes)} (rule {rule})")
             if shape is not None and got_shape != shape:
                 p.append(f"{path.name}: {name}: shape {list(got_shape)} != expected {list(shape)} (rule {rule})")
-            if name.endswith("scaling_factor") or name.endswith("per_channel_scale"):
+            if name.endswith(("scaling_factor", "per_channel_scale", "smoother", "scale_to_int")):
                 t = f.get_tensor(name).float()
                 if not torch.isfinite(t).all() or not (t > 0).all():
                     bad = int((~torch.isfinite(t) | (t <= 0)).sum())

@@ -27,6 +27,11 @@ Per-family semantics and their TensorRT-LLM 1.2 sources: ``pipeline/trtllm/famil
   * W8A8_SQ_PER_CHANNEL (``Int8SmoothQuantLinear``): ``x * prequant_scaling_factor`` (model dtype), quantize
     ``round(x / activation_scaling_factor)`` clamped to int8, dequantize, times the int8 weight dequantized
     per output channel with ``weights_scaling_factor``.
+  * W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (``SmoothQuantRmsNorm`` / ``SmoothQuantAttention`` /
+    ``SmoothQuantGatedMLP``, layout: ``pipeline/trtllm/sq_per_token.py``): the qkv / fc+gate input is the RMSNorm
+    output (smoothing folded into its weight), dense / proj inputs are divided by ``smoother`` (cast to the model
+    dtype); each token's row is quantized with its own scale, ``round(x * 127 / max|x|)``, and the int8 GEMM's
+    result is dequantized with that scale times ``per_channel_scale`` of the output channel.
   * W8A16 / W4A16 with float weights: the per-output-channel symmetric RTN trtllm-build applies at load
     (``weight_only_quantize_dict``); int8 ``(in, out)`` + ``per_channel_scale`` is used as stored.
   * FP8: e4m3 weights times ``weights_scaling_factor``; activations cast to e4m3 after ``/ activation_scaling_factor``.
@@ -54,6 +59,8 @@ from .contract import QWEN_ARCHS, pp_layer_ranges
 from .families import sliding_layers
 
 LABEL = "checkpoint, reference numerics"
+SQ_PER_TOKEN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
+SQ_ALGOS = ("W8A8_SQ_PER_CHANNEL", SQ_PER_TOKEN)
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FP8_MAX = 448.0
 # The engine's per-head q/k RMSNorm eps is Attention's default, not the checkpoint's norm_epsilon: Attention(...,
@@ -89,9 +96,10 @@ class _Linear:
     stored: torch.Tensor                 # the weight as in the file, on the compute device
     make: Any                            # stored -> effective float32 weight [out, in]
     bias: torch.Tensor | None = None
-    act: str | None = None               # None | "int8" | "fp8"
+    act: str | None = None               # None | "int8" | "int8_token" | "fp8"
     act_scale: float = 1.0
     prequant: torch.Tensor | None = None  # [in], model dtype values
+    smoother: torch.Tensor | None = None  # [in], model dtype values: the input is divided by it (plugin SQ)
 
     def weight(self) -> torch.Tensor:
         return self.make(self.stored)
@@ -135,9 +143,9 @@ class ReferenceModel:
         self.sliding = sliding_layers(cfg)
         q = cfg.get("quantization") or {}
         self.quant_algo, self.kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
-        if self.quant_algo not in (None, "W8A8_SQ_PER_CHANNEL", "W8A16", "W4A16", "FP8"):
+        if self.quant_algo not in (None, *SQ_ALGOS, "W8A16", "W4A16", "FP8"):
             raise NotImplementedError(f"reference numerics for quant_algo {self.quant_algo} are not implemented "
-                                      f"(supported: none, W8A8_SQ_PER_CHANNEL, W8A16, W4A16, FP8)")
+                                      f"(supported: none, {', '.join(SQ_ALGOS)}, W8A16, W4A16, FP8)")
         act = cfg.get("hidden_act", "silu")
         if act not in _ACTS:
             raise NotImplementedError(f"hidden_act {act!r} (gated MLP with {', '.join(_ACTS)})")
@@ -173,6 +181,11 @@ class ReferenceModel:
             asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
             return _Linear(w, lambda t: rd(t.float() * wsf), bias, "int8", asf,
                            self._get(f, prefix + ".prequant_scaling_factor").float())
+        if algo == SQ_PER_TOKEN and w.dtype == torch.int8:
+            pcs = self._get(f, prefix + ".per_channel_scale").float().reshape(-1, 1)
+            sm = self._get(f, prefix + ".smoother").float().reshape(-1) if prefix + ".smoother" in names else None
+            return _Linear(w, lambda t: t.float() * pcs, bias, "int8_token",
+                           smoother=None if sm is None else self._rd(sm))
         if algo == "FP8" and w.dtype in (torch.int8, torch.float8_e4m3fn):
             wsf = float(f.get_tensor(prefix + ".weights_scaling_factor").reshape(-1)[0])
             asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
@@ -217,6 +230,13 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ ops
     def _apply(self, lin: _Linear, x: torch.Tensor) -> torch.Tensor:
+        if lin.act == "int8_token":       # per-token dynamic scale; int8 GEMM, dequantized per token x channel
+            if lin.smoother is not None:
+                x = self._rd(x / lin.smoother)
+            amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-20)
+            x = torch.round(x * (127.0 / amax)).clamp(-128, 127) * (amax / 127.0)
+            y = x @ lin.weight().t()
+            return y + lin.bias if lin.bias is not None else y
         if lin.act is not None:
             if lin.prequant is not None:
                 x = self._rd(x * lin.prequant)

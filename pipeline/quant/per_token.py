@@ -1,0 +1,53 @@
+"""Per-token dynamic activation quantization on a ModelOpt-calibrated SmoothQuant model (int8_sq_per_token).
+
+ModelOpt 0.47 calibrates SmoothQuant with a static per-tensor activation amax (``INT8_SMOOTHQUANT_CFG``), and its
+``block_sizes={-1: None, "type": "dynamic"}`` per-token setting raises for int8 in ``dynamic_block_quant``
+("block size for dynamic quantization not found"). TensorRT-LLM's plugin path quantizes each token's row with its
+own scale instead: ``scale = max|x_t| / 127``, ``q = round(x_t * 127 / max|x_t|)`` (``quantize_per_token`` and
+the RMSNorm-quantization plugin, tensorrt_llm/quantization/layers.py, index id 790827869). This module makes each
+enabled input quantizer of a quantized linear do exactly that, after the pre-quant (smoothing) scale ModelOpt
+applies, so the quantize stage's simulated perplexity is that of the per-token format, and QAT trains through it
+(straight-through estimator). Weights, smoothing vectors and the checkpoint export are untouched.
+
+The override is an instance attribute, not ModelOpt state, and :func:`static_activations` takes it off before the
+artifact is saved (``mto.save`` would pickle the function, and ``torch.load(weights_only=True)`` refuses it): a
+restored artifact (pipeline/quant/artifact.py) has static quantizers again, which is what the checkpoint export
+reads (the static amax is then dropped by pipeline/trtllm/sq_per_token.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT8_MAX = 127.0
+
+
+def per_token_fake_quant(x: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize every row (last dim) of ``x`` to int8 with its own max|x| / 127 scale (an all-zero row
+    stays zero); gradients pass straight through (QAT)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-20)   # 127 / amax stays finite
+    q = torch.round(xf * (INT8_MAX / amax)).clamp(-128, 127) * (amax / INT8_MAX)
+    return (xf + (q - xf).detach()).to(x.dtype)
+
+
+def per_token_activations(model: nn.Module) -> int:
+    """Switch every enabled input quantizer of ``model``'s quantized linears to per-token int8; returns how many."""
+    from modelopt.torch.quantization.nn import TensorQuantizer
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, TensorQuantizer) and name.endswith("input_quantizer") and mod.is_enabled:
+            mod._fake_quantize = per_token_fake_quant
+            n += 1
+    return n
+
+
+def static_activations(model: nn.Module) -> int:
+    """Undo :func:`per_token_activations` (before ``mto.save``); returns how many quantizers it reset."""
+    n = 0
+    for mod in model.modules():
+        if mod.__dict__.get("_fake_quantize") is per_token_fake_quant:
+            del mod.__dict__["_fake_quantize"]
+            n += 1
+    return n

@@ -194,8 +194,10 @@ def main(argv=None) -> int:
                 report(res, r)
         elif a.phase == "client":
             # forge serve of each recipe's package, one answer per prompt over HTTP and gRPC through tritonclient,
-            # each compared with the evaluate stage's validated greedy tokens (bench/serve.py)
-            step(res, "bench.serve (forge serve + tritonclient http,grpc)", [PY, "-m", "bench.serve", *a.recipes,
+            # each compared with the evaluate stage's validated greedy tokens (bench/serve.py, through
+            # lab/serve_client.py, which also records one answer per prompt)
+            step(res, "bench.serve (forge serve + tritonclient http,grpc)", [PY, str(ROOT / "lab/serve_client.py"),
+                 *a.recipes,
                  "--levels", "1", "--requests", "4", "--protocols", "http,grpc", "--out", str(OUT / "serve"),
                  "--from-reports", str(OUT / "build")],   # where the forge phase's --report-dir put the reports
                  a.timeout, log)

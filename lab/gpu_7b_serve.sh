@@ -23,7 +23,10 @@ case "${1:-}" in
 pack)
   D=$2; WH=${WHEELS:-/tmp/h26s/wheels}; CAP=$((61 * 1024 * 1024))
   rm -rf "$D" && mkdir -p "$D/c1/w-small"
-  git -C "$(dirname "$0")/.." archive --format=tar.gz HEAD > "$D/c1/src.tgz"
+  # HEAD, with this checkout's lab/ on top (lab fixes not committed yet travel too; pipeline/ stays HEAD's)
+  top=$(cd "$(dirname "$0")/.." && pwd); st=$(mktemp -d)
+  git -C "$top" archive --format=tar HEAD | tar -C "$st" -xf - && cp -r "$top"/lab/. "$st/lab/" \
+    && rm -rf "$st/lab/__pycache__" && tar -C "$st" -czf "$D/c1/src.tgz" . && rm -rf "$st"
   tok=$(ls -d "${FORGE_HOME:-/work/forge-home}"/models/smollm2-135m-instruct-*/ | head -1)
   tar -C "$tok" -czf "$D/c1/tok.tgz" tokenizer.json tokenizer_config.json chat_template.jinja
   tar -C "${FORGE_HOME:-/work/forge-home}/data" -czf "$D/c1/data.tgz" wiki
@@ -55,7 +58,7 @@ finish)
   collect() {
     cp $W/bg.log $O/*.json "$OUT/" 2>/dev/null
     # the logs and the serve JSON as plain files too: on 2026-12-06 the archive did not come back (files_left_out)
-    cp $O/nbits.log $O/7b-*.log "$OUT/" 2>/dev/null; cp $O/serve/serve.json "$OUT/serve.json" 2>/dev/null
+    cp $O/nbits.log $O/7b-*.log "$OUT/" 2>/dev/null; cp $O/serve/*.json $O/serve/*.log "$OUT/" 2>/dev/null
     tar -C $O -czf "$OUT/o7b.tgz" --exclude=engine --exclude='*.onnx*' . 2>/dev/null; }
   while [ ! -e $W/bg.done ] && [ $SECONDS -lt $end ]; do collect; sleep 5; done
   collect; tail -30 $W/bg.log;;

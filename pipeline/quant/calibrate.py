@@ -129,7 +129,7 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     from pipeline.trtllm.build_config import SMOOTHQUANT_ALGOS
 
     from .configs import modelopt_config, needs_sm, resolve_quant_config, trtllm_quantization, validate_quant_config
-    from .per_token import per_token_activations, static_activations
+    from .per_token import per_token_activations, share_mlp_smoothing, static_activations
     from .qat import train_qat
     from .stats import collect_layer_stats, save_stats, top_outliers
 
@@ -171,7 +171,8 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     mtq_cfg = modelopt_config(c, info)
     (model, act_amax), m["seconds"]["calibrate"] = timed(
         calibrate, model, mtq_cfg, calib if quantizes else None, int(c["calibration"]["batch"]), device)
-    if c["algo"] == "int8_sq_per_token":
+    if c["algo"] == "int8_sq_per_token":       # the format TensorRT-LLM's plugin path computes (per_token.py)
+        m["mlp_resmoothed"] = share_mlp_smoothing(model)
         m["per_token_quantizers"] = per_token_activations(model)
     rows = collect_layer_stats(model, act_amax)
     save_stats(rows, out_dir / artifact.STATS_FILE)

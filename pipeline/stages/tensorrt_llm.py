@@ -46,7 +46,7 @@ class ModeloptQuantize(Stage):
     """ModelOpt PTQ / QAT (+distillation) in torch; calibration statistics saved."""
     name = "quantize"
     version = "3"   # 2: metrics.json in the payload without timings / memory peaks (reproducible digest); 3: an
-    #                 int8_sq_per_token artifact without the per-token override pickled in (it did not restore)
+    #                 int8_sq_per_token artifact: one gate/up smoothing vector, no per-token override pickled in
     needs = ("source",)
     tools = MODELOPT_TOOLS
 

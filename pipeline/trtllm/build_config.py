@@ -216,7 +216,7 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         need = min_sm("fp8" if qalgo == "FP8" else "", "fp8" if kvalgo == "FP8" else "none")
         if need and sm < need:
             p.append(f"{algo_key}/quantize.kv_cache: FP8 needs SM >= {need} (Ada/Hopper); target GPU is SM {sm}: "
-                     f"use quantize.algo: int8_sq with quantize.kv_cache: int8 there (e.g. the qwen7b-int8 / "
+                     f"use quantize.algo: int8_sq_per_token with quantize.kv_cache: int8 there (e.g. the qwen7b-int8 / "
                      f"llama3-8b-int8 recipes instead of the -fp8 ones)")
         if sm < 80 and b.get("dtype") == "bfloat16":
             p.append(f"{KEY}.dtype: bfloat16 needs SM >= 80; target GPU is SM {sm}")

@@ -155,7 +155,7 @@ def test_plan_for_recipe_qwen7b_int8_on_rtx4090():
     info = Runner(r).model_info()
     assert info is not None and info.hidden_size == 3584
     plan, verdicts = plan_for_recipe(r, info, "rtx4090")
-    assert plan.args["quant_algo"] == "int8_sq" and plan.args["kv_cache"] == "int8"
+    assert plan.args["quant_algo"] == "int8_sq_per_token" and plan.args["kv_cache"] == "int8"
     assert plan.args["tp"] == r.build.tensorrt_llm.tp
     assert len(verdicts) == 1 and verdicts[0].gpu == "rtx4090"
     assert verdicts[0].needed_bytes == plan.total_bytes

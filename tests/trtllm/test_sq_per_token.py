@@ -203,3 +203,21 @@ def test_quantize_stage_simulates_per_token_and_saves_a_loadable_artifact(tmp_pa
     with torch.no_grad():
         restored = m(ev).logits
     assert torch.isfinite(restored).all()
+
+
+def test_gate_and_up_get_one_smoothing_vector_without_changing_the_float_function(tmp_path):
+    from pipeline.quant.per_token import share_mlp_smoothing
+    from modelopt.torch.export.quant_utils import _update_pre_quant_scale
+    q = int8_sq(tiny_llama(tmp_path / "hf"))
+    mlp = q.model.layers[1].mlp
+    _update_pre_quant_scale(mlp.up_proj, mlp.up_proj.input_quantizer.pre_quant_scale * 1.7)   # as calibration may
+    assert not torch.equal(mlp.gate_proj.input_quantizer.pre_quant_scale, mlp.up_proj.input_quantizer.pre_quant_scale)
+    x = torch.randn(3, 96)
+    with torch.no_grad():
+        before = [(x * m.input_quantizer.pre_quant_scale) @ m.weight.t() for m in (mlp.gate_proj, mlp.up_proj)]
+    assert share_mlp_smoothing(q) == 2
+    assert torch.equal(mlp.gate_proj.input_quantizer.pre_quant_scale, mlp.up_proj.input_quantizer.pre_quant_scale)
+    with torch.no_grad():
+        after = [(x * m.input_quantizer.pre_quant_scale) @ m.weight.t() for m in (mlp.gate_proj, mlp.up_proj)]
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

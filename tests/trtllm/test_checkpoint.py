@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pipeline.errors import ForgeError
 from pipeline.eval.metrics import compare_logits
@@ -16,18 +16,7 @@ from pipeline.trtllm.checkpoint import write_checkpoint
 from pipeline.trtllm.contract import check_contract
 from pipeline.trtllm.reference import LABEL, ReferenceModel
 
-from trtllm_tiny import int8_sq, tiny_qwen2, tokens
-
-
-def hf_logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
-def edit(path, fn):
-    sd = load_file(str(path))
-    fn(sd)
-    save_file(sd, str(path))
+from trtllm_tiny import edit, hf_logits, int8_sq, tiny_qwen2, tokens
 
 
 # ------------------------------------------------------------------ fix-ups + contract

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pipeline.errors import ForgeError
 from pipeline.eval.metrics import compare_logits
@@ -21,20 +21,9 @@ from pipeline.trtllm.contract import check_contract
 from pipeline.trtllm.reference import ReferenceModel
 from pipeline.trtllm.sq_per_token import rewrite_rank
 
-from trtllm_tiny import int8_sq, tiny_llama, tiny_qwen2, tokens
+from trtllm_tiny import edit, hf_logits as logits, int8_sq, tiny_llama, tiny_qwen2, tokens
 
 PT = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
-
-
-def logits(model, ids):
-    with torch.no_grad():
-        return model(ids).logits.float()
-
-
-def edit(path, fn):
-    sd = load_file(str(path))
-    fn(sd)
-    save_file(sd, str(path))
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,20 @@ def tokens(n=2, t=48, seed=5):
     return torch.randint(0, VOCAB, (n, t), generator=g)
 
 
+def hf_logits(model, ids):
+    """Float32 logits of a (fake-quantized) HF model."""
+    with torch.no_grad():
+        return model(ids).logits.float()
+
+
+def edit(path, fn):
+    """Apply ``fn`` to a safetensors file's tensor dict in place (the mutation tests)."""
+    from safetensors.torch import load_file, save_file
+    sd = load_file(str(path))
+    fn(sd)
+    save_file(sd, str(path))
+
+
 def int8_sq(model, kv_int8=False):
     import modelopt.torch.quantization as mtq
     cfg = copy.deepcopy(mtq.INT8_SMOOTHQUANT_CFG)

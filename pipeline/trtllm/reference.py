@@ -27,11 +27,9 @@ Per-family semantics and their TensorRT-LLM 1.2 sources: ``pipeline/trtllm/famil
   * W8A8_SQ_PER_CHANNEL (``Int8SmoothQuantLinear``): ``x * prequant_scaling_factor`` (model dtype), quantize
     ``round(x / activation_scaling_factor)`` clamped to int8, dequantize, times the int8 weight dequantized
     per output channel with ``weights_scaling_factor``.
-  * W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (``SmoothQuantRmsNorm`` / ``SmoothQuantAttention`` /
-    ``SmoothQuantGatedMLP``, layout: ``pipeline/trtllm/sq_per_token.py``): the qkv / fc+gate input is the RMSNorm
-    output (smoothing folded into its weight), dense / proj inputs are divided by ``smoother`` (cast to the model
-    dtype); each token's row is quantized with its own scale, ``round(x * 127 / max|x|)``, and the int8 GEMM's
-    result is dequantized with that scale times ``per_channel_scale`` of the output channel.
+  * W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (layout and sources: ``sq_per_token.py``): dense / proj inputs divided by
+    ``smoother``; each token quantized by its own scale, ``round(x * 127 / max|x|)``; the int8 GEMM dequantized by
+    that scale times the output channel's ``per_channel_scale``.
   * W8A16 / W4A16 with float weights: the per-output-channel symmetric RTN trtllm-build applies at load
     (``weight_only_quantize_dict``); int8 ``(in, out)`` + ``per_channel_scale`` is used as stored.
   * FP8: e4m3 weights times ``weights_scaling_factor``; activations cast to e4m3 after ``/ activation_scaling_factor``.

@@ -133,9 +133,11 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         if fam is not None and (fam.qk_norm or fam.inter_layernorms):
             # smooth_quantize_plugin swaps every RmsNorm but ln_f for SmoothQuantRmsNorm, and SmoothQuantAttention
             # has no q/k norm (tensorrt_llm/quantization/quantize.py @ 89fd9b7; layers.py, index id 790827869)
+            norms = " and ".join(n for n, on in (("per-head q/k", fam.qk_norm), ("feed-forward", fam.inter_layernorms))
+                                 if on)
             p.append(f"{algo_key}: int8_sq_per_token is TensorRT-LLM's SmoothQuant plugin path, whose attention has "
-                     f"no q/k norms and whose norm swap would quantize {info.architecture}'s per-head and "
-                     f"feed-forward norms; use quantize.algo int8_sq, int8_wo or fp8 for this model")
+                     f"no q/k norms and whose norm swap would quantize {info.architecture}'s {norms} norms; use "
+                     f"quantize.algo int8_sq, int8_wo or fp8 for this model")
     if qalgo == "W4A16_AWQ":
         p.append(f"{algo_key}: int4_awq (W4A16_AWQ) has no checkpoint contract / reference numerics in forge's "
                  f"TensorRT-LLM target yet; use int8_sq, int8_wo, int4_wo or fp8")

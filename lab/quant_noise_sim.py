@@ -1,8 +1,9 @@
 """How much weight-only rounding alone moves a model's logits (issue 26): the torch model against itself with every
 decoder projection fake-quantized to N bits per block of 32 along the input dimension, round to nearest with an
 integer zero point (MatMulNBits' layout), and the lm_head at 8 bits; logits cosine, top-1 agreement and perplexity
-change on real text, the metrics forge's evaluate reports. For random weights (lab/random_hf_model.py) this says
-what an engine that is right should score, so that a miss can be told from a broken engine.
+change on real text, the metrics forge's evaluate reports. For random weights (model.source random:...) this says
+what an engine that is right should score, so that a miss can be told from a broken engine. forge's own evaluate
+does this for a recipe with validate.reference: simulated.
 
     python lab/quant_noise_sim.py --model-dir DIR --text FILE --tokens 512 --bits 4 8
 """
@@ -11,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
 
 def fake_quant_(w, bits: int, block: int = 32) -> None:
-    """In place: asymmetric RTN per block of ``block`` input columns, integer zero point."""
-    import torch
-    out_f, in_f = w.shape
-    pad = (-in_f) % block
-    x = torch.nn.functional.pad(w, (0, pad)).view(out_f, -1, block)
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    qmax = 2 ** bits - 1
-    scale = ((hi - lo) / qmax).clamp_min(1e-12)
-    zp = (-lo / scale).round().clamp(0, qmax)
-    q = ((x / scale).round() + zp).clamp(0, qmax)
-    w.copy_(((q - zp) * scale).view(out_f, -1)[:, :in_f])
+    """In place: asymmetric RTN per block of ``block`` input columns, integer zero point, on MatMulNBits' own grid
+    (pipeline/eval/fake_quant.py, the simulated reference of validate.reference: simulated). Before issue 38 this
+    notebook used its own min/max grid (not clamped to include 0), so the 2026-12-04 figures in docs/gpu-runs.md
+    came from that slightly different grid."""
+    from pipeline.eval.fake_quant import block_rtn
+    w.copy_(block_rtn(w, bits, block, symmetric=False))
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ For each tp:
    embedding split over the ranks as forge's checkpoints have it.
 
 Compared per rank:
-- the rank file's bytes by part (``pipeline.memory.rank_weight_bytes``) vs the plan's weights (same bytes expected);
+- the rank file's bytes by part (``pipeline.trtllm.memory.rank_weight_bytes``) vs the plan's weights (same bytes expected);
 - on GPUs: ``resident_gpu_bytes`` (``torch.cuda.memory_allocated`` after the pass: the resident decoder layers)
   vs the plan's decoder part (linears + quant scales + norms), and ``peak_gpu_bytes``
   (``torch.cuda.max_memory_allocated``) beside the plan's total.
@@ -48,7 +48,7 @@ def _ratio(a, b):
 def one_tp(args, hf_cfg: dict, tp: int) -> dict:
     from reference_memory import synthetic_checkpoint
 
-    from pipeline.memory import plan_memory, rank_weight_bytes
+    from pipeline.trtllm.memory import plan_memory, rank_weight_bytes
     from pipeline.modelinfo import ModelInfo
     from pipeline.trtllm.distributed import launch
 
@@ -96,7 +96,7 @@ def plan_only(hf_cfg: dict, tp: int, layers: int | None, batch: int, seq_len: in
     checkpoint uses) next to the plan's weights. At full depth this is what step 1 would write."""
     from reference_memory import synthetic_config, synthetic_dtype
 
-    from pipeline.memory import ST_BYTES, plan_memory, weight_part
+    from pipeline.trtllm.memory import ST_BYTES, plan_memory, weight_part
     from pipeline.modelinfo import ModelInfo
     from pipeline.trtllm.contract import expected_tensors
 

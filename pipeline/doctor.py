@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import gpu_topology as topo
+from . import target_registry as registry
+from .deploy import SEVERITIES, finding as _finding
 
 from .host.cpu import cpu_model
 from .host.gpu import nvml_call, nvml_driver, nvml_handles, nvml_sm
 from .host.tools import TOOLS, tool_version
-
-SEVERITIES = ("error", "warning", "info")
 
 # NVML constants (stable in nvml.h); used directly so a fake NVML does not have to define them.
 NVML_TEMPERATURE_GPU = 0
@@ -58,11 +58,6 @@ REQUIRED = {
 }
 # tritonserver shipped inside nvidia-pytriton wheels
 PYTRITON_TRITONSERVER = {"0.7.0": "2.51.0", "0.6.0": "2.49.0", "0.5.5": "2.47.0"}
-
-
-def _finding(severity: str, message: str, fix: str = "") -> dict:
-    assert severity in SEVERITIES
-    return {"severity": severity, "message": message, "fix": fix}
 
 
 def collect_versions() -> dict[str, Any]:
@@ -303,62 +298,42 @@ def gpu_findings(g: dict, host: dict) -> list[dict]:
     return out
 
 
-def _engine_quantizations(root: Path) -> dict[str, dict]:
-    """Where `make engine` / `forge build --report-dir` linked engines (``out/<recipe>/engine``): their
-    quantization as recorded in the engine's own metadata."""
-    import json
-
-    from .ort.export import META_FILE
-
-    out = {}
-    for meta in sorted(root.glob("out/*/engine/" + META_FILE)):
-        try:
-            q = json.loads(meta.read_text()).get("quantization")
-        except (OSError, ValueError):
-            continue
-        if q:
-            out[f"engine {meta.parent}"] = q
-    return out
-
-
-def _recipe_quantizations() -> dict[str, dict]:
-    """The onnxruntime INT8 recipes shipped in recipes/, as resolved (their quantize section)."""
-    from .errors import ForgeError
-    from .recipe import list_recipes, resolve
-
-    out = {}
-    for name in list_recipes():
-        try:
-            r = resolve(name)
-        except ForgeError:
-            continue
-        if r.build.target == "onnxruntime" and r.quantize.algo != "none":
-            out[f"recipe {name}"] = r.quantize.model_dump()
-    return out
-
-
-def isa_findings(host: dict, quantizations: dict[str, dict]) -> list[dict]:
-    """The CPU's ISA class (pipeline/host/cpu.py) against the INT8 methods of recipes / built engines
-    (``quantizations``: label -> quantize section or engine quantization metadata)."""
-    from .ort.quantize import isa_accuracy_risk
-
+def isa_source_findings(host: dict) -> list[dict]:
+    """The CPU's ISA class (pipeline/host/cpu.py) read from /proc/cpuinfo: under an emulator it is the host's."""
     isa = host.get("cpu_isa") or {}
     cls = isa.get("class")
+    if cls and isa.get("source") == "/proc/cpuinfo" and cls.startswith("x86_64"):
+        return [_finding("warning", f"CPU ISA class {cls} was read from /proc/cpuinfo, not CPUID (cpuid-native is "
+                                    "not installed): under an emulator it shows the host's CPU, not the one "
+                                    "ONNX Runtime runs on",
+                         "pip install cpuid-native (`make setup` installs it)")]
+    return []
+
+
+def shipped_recipes() -> list:
+    """The recipes in recipes/ that resolve, for the targets' checks (a broken one is `forge recipes`' to report)."""
+    from .errors import ForgeError
+    from .recipe import list_recipes, resolve
     out = []
-    if not cls:
-        return out
-    if isa.get("source") == "/proc/cpuinfo" and cls.startswith("x86_64"):
-        out.append(_finding("warning", f"CPU ISA class {cls} was read from /proc/cpuinfo, not CPUID (cpuid-native is "
-                                       "not installed): under an emulator it shows the host's CPU, not the one "
-                                       "ONNX Runtime runs on",
-                            "pip install cpuid-native (`make setup` installs it)"))
-    for label, q in quantizations.items():
-        risk = isa_accuracy_risk(q, cls)
-        if risk:
-            out.append(_finding("warning", f"{label}: its INT8 method is known to lose accuracy on this CPU ({cls}): "
-                                           f"{risk}",
-                                "use the default INT8 method (drop quantize.options.method / weight_type / "
-                                "reduce_range overrides) and rebuild; `forge build RECIPE` validates it on this CPU"))
+    for name in list_recipes():
+        try:
+            out.append(resolve(name))
+        except ForgeError:
+            continue
+    return out
+
+
+def target_findings(facts: dict) -> list[dict]:
+    """What each registered target checks on this host (``Target.doctor``), given ``facts``: ``versions``,
+    ``host``, ``gpus``, ``ort_cuda``, ``recipes`` (the shipped recipes of that target), and whatever run_doctor was
+    given to hand them instead of collecting it (``quantizations``, ...)."""
+    targets = [t for t in registry.all_targets() if t.doctor is not None]
+    recipes = facts.get("recipes")
+    if recipes is None and targets:
+        recipes = shipped_recipes()
+    out = []
+    for t in targets:
+        out += t.doctor({**facts, "recipes": [r for r in recipes if r.build.target == t.name]})
     return out
 
 
@@ -427,38 +402,21 @@ def _topology(nvml_topology: dict, smi_topo) -> tuple[dict, list[dict]]:
     return {"gpus": nvml_topology.get("gpus") or [], "pairs": pairs, "nvidia_smi_topo": parsed}, findings
 
 
-def ort_cuda_findings(st: dict, have_gpu: bool) -> list[dict]:
-    """The CUDA provider of onnxruntime (build.onnxruntime.provider: cuda): why it cannot run here and the fix (which
-    CUDA libraries forge loaded, from where, is in the report's ``onnxruntime_cuda.preloaded``)."""
-    setup = "python -m pipeline.gpu_setup install (what `make setup` runs on a GPU machine)"
-    if st.get("problem") is None:
-        return []
-    if not st.get("cuda_provider"):
-        if not have_gpu:
-            return [_finding("info", "onnxruntime has no CUDAExecutionProvider: the *-cuda-* recipes stop at build "
-                                     "(exit 3) here", "finish them on a GPU machine (make setup there installs "
-                                                      "onnxruntime-gpu)")]
-        return [_finding("warning", f"onnxruntime {st.get('onnxruntime')} has no CUDAExecutionProvider on this GPU "
-                                    "machine: the *-cuda-* recipes cannot build", setup)]
-    return [_finding("error", f"onnxruntime's CUDAExecutionProvider cannot run: {st['problem']}", setup)]
-
-
 def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = None, tp: int | None = None,
                pp: int = 1, recipe: str | None = None,
                smi_topo: str | Callable[[], str | None] | None = topo.run_nvidia_smi_topo,
-               quantizations: dict[str, dict] | None = None, ort_cuda: dict | None = None) -> dict:
+               ort_cuda: dict | None = None, **target_facts) -> dict:
     """Collect versions, host facts and GPU facts; return them with findings (problem + fix).
 
     ``nvml`` defaults to ``pynvml``; ``host`` / ``versions`` override the collected facts (tests). ``tp`` / ``pp``
     (``recipe`` names where they come from) add the placement of that many ranks. ``smi_topo``: the text of
     ``nvidia-smi topo -m``, or a function that returns it (by default it runs the tool when there are 2+ GPUs).
-    ``quantizations`` (label -> quantize section / engine metadata) defaults to the shipped onnxruntime recipes and
-    the engines linked under ./out.
+    ``ort_cuda``: onnxruntime's CUDA provider (pipeline.host.cuda.ort_cuda_status). ``target_facts`` are handed to
+    the targets' checks instead of what they collect (``quantizations={}``: no recipe or engine INT8 method for
+    the onnxruntime target's ISA check; ``recipes=[...]``).
     """
     versions = dict(versions) if versions is not None else collect_versions()
     host = dict(host) if host is not None else collect_host()
-    if quantizations is None:
-        quantizations = {**_recipe_quantizations(), **_engine_quantizations(Path.cwd())}
     findings: list[dict] = []
     gpus: list[dict] = []
     nvml_topology: dict = {}
@@ -470,9 +428,9 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
         versions.setdefault("driver", None)
         versions.setdefault("cuda_driver", None)
         findings.append(_finding("warning", f"no NVIDIA GPU found (NVML: {type(e).__name__}: {e})",
-                                 "the onnxruntime target builds, validates and runs on this CPU; the tensorrt_llm "
-                                 "and tensorrt targets stop where a GPU is needed: finish them on a machine where "
-                                 "`nvidia-smi` works (`forge doctor` there should list the GPU)"))
+                                 "a recipe builds here up to its first stage that needs a GPU (`forge plan RECIPE` "
+                                 "says which, exit 3, and the command that finishes it): finish it on a machine "
+                                 "where `nvidia-smi` works (`forge doctor` there should list the GPU)"))
     if not gpus and not findings:
         findings.append(_finding("warning", "NVML works but reports no GPU",
                                  "check CUDA_VISIBLE_DEVICES / container --gpus flags; `nvidia-smi -L` lists GPUs"))
@@ -488,7 +446,7 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
         placement["recipe"] = recipe
         findings.extend(topo.placement_findings(placement, _finding))
     findings.extend(host_findings(host, versions))
-    findings.extend(isa_findings(host, quantizations))
+    findings.extend(isa_source_findings(host))
     if gpus:
         tc = versions.get("torch_cuda")
         if versions.get("torch") and not tc:
@@ -498,15 +456,6 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
         if tc and cd and tuple(map(int, tc.split(".")[:2])) > tuple(map(int, cd.split(".")[:2])):
             findings.append(_finding("error", f"torch is built for CUDA {tc} but the driver supports CUDA {cd}",
                                      "upgrade the NVIDIA driver or install a torch wheel for an older CUDA"))
-    sev_gpu = "warning" if gpus else "info"
-    if not versions.get("tensorrt_llm"):
-        findings.append(_finding(sev_gpu, "tensorrt_llm is not installed: the tensorrt_llm target stops after the "
-                                          "checkpoint stage",
-                                 "on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' "
-                                 "(wheels come from NVIDIA's package index)"))
-    if not versions.get("tensorrt"):
-        findings.append(_finding(sev_gpu, "tensorrt is not installed: the tensorrt target cannot build engines",
-                                 "on a GPU machine: pip install tensorrt (wheels come from NVIDIA's package index)"))
     for label, what in REQUIRED.items():
         if not versions.get(label):
             findings.append(_finding("error", f"{TOOLS[label][0]} is not installed: {what}",
@@ -515,7 +464,8 @@ def run_doctor(nvml=None, *, host: dict | None = None, versions: dict | None = N
     if ort_cuda is None:
         from .host.cuda import ort_cuda_status
         ort_cuda = ort_cuda_status()
-    findings.extend(ort_cuda_findings(ort_cuda, bool(gpus)))
+    findings.extend(target_findings({"versions": versions, "host": host, "gpus": gpus, "ort_cuda": ort_cuda,
+                                     **target_facts}))
     order = {s: i for i, s in enumerate(SEVERITIES)}
     findings.sort(key=lambda f: order[f["severity"]])
     return {"versions": versions, "host": host, "gpus": gpus, "topology": topology, "placement": placement,

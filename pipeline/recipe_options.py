@@ -2,7 +2,7 @@
 type, default, bounds and what it does. Which model a (build.target, quantize.algo) reads is the target's
 declaration (pipeline/targets/<target>.py, ``quantizers``); the recipe validates a recipe's options against it (a
 typo is an error naming the key, with did-you-mean) and the quantizers receive the validated model (their defaults
-are these: ``pipeline/ort/quantize.py``, ``pipeline/tensorrt/quantize.py``).
+are these: ``pipeline/ort/quantize.py``, ``pipeline/tensorrt/quantize.py``, ``pipeline/trtllm/quantizers.py``).
 
 To add an option: declare it on the model of the quantizer that reads it (or on a shared base), with a default
 that reproduces today's behaviour; the cache key already includes ``quantize.options`` as written.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 Pattern = Annotated[str, Field(min_length=1, max_length=512)]
 
@@ -96,13 +96,25 @@ class OrtInt8Options(OrtOptions):
 
 class OrtInt4Options(OrtOptions):
     """onnxruntime, algo int4_wo: weight-only INT4 through MatMulNBits (measured on SmolLM2: HQQ +0.08 % ppl,
-    round-to-nearest +34.9 %; 4-bit lm_head alone costs ~15 % ppl, so it stays 8-bit by default)."""
-    method: Literal["hqq", "rtn"] = Field("hqq", description=(
-        "hqq: ORT's half-quadratic quantizer, float zero points; rtn: round to nearest, integer zero points"))
+    round-to-nearest +34.9 %; 4-bit lm_head alone costs ~15 % ppl, so it stays 8-bit by default).
+
+    Speed (issue 41): HQQ's float zero points take MatMulNBits' slow path on CPU (B dequantized on every call:
+    0.16x FP32 at M = 1, SmolLM2 MLP shapes, x86_64-avx512vnni); integer zero points (rtn, fit, gptq) with
+    accuracy_level 4 run MLAS's int8 QNBit kernels (3.1x FP32, 1.26x 8-bit MatMulNBits). ``fit`` and ``gptq`` fit
+    the integer zero points to calibration data (pipeline/ort/int4_fit.py); docs/measurements.md has the figures."""
+    method: Literal["hqq", "rtn", "fit", "gptq", "offsets"] = Field("hqq", description=(
+        "hqq: ORT's half-quadratic quantizer, float zero points (slow on CPU); rtn: round to nearest, integer zero "
+        "points; fit: per-block scale and integer zero point minimising the E[x^2]-weighted error; gptq: GPTQ with "
+        "those per-block fits; offsets: each block's min as scale x integer zero point plus the float rest, carried "
+        "as 4-bit extra input columns [x, blocksum(x)] (fit and gptq read quantize.calibration)"))
     block_size: BlockSize = Field(32, description="weights per scale along the input dim (written as quantize.block_size)")
     lm_head_bits: Literal[4, 8] = Field(8, description="the untied lm_head as 8-bit blockwise, or 4-bit like the rest")
     symmetric: bool = Field(False, description="rtn: symmetric int4 (the 8-bit lm_head stays symmetric unless this is set)")
-    accuracy_level: Literal[1, 2, 3, 4] = Field(4, description="rtn: MatMulNBits compute type (4 = int8 activations)")
+    accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(
+        "rtn, fit, gptq: MatMulNBits compute type (4 = int8 activations per block, MLAS's fast kernels)"))
+    bias_correction: bool = Field(False, description=(
+        "fit, gptq: add E[x] (W - W_q) over calibration as MatMulNBits' bias (the mean of each output's error; "
+        "Nagel et al. 2019's bias correction) and fit the rest under the inputs' covariance"))
 
 
 class TensorrtOptions(Options):
@@ -126,3 +138,49 @@ class TensorrtFp8Options(TensorrtOptions):
 
 class ModeloptOptions(Options):
     """tensorrt_llm (ModelOpt): ``exclude`` patterns match module names; their quantizers stay off."""
+
+
+class ModeloptSmoothQuantOptions(ModeloptOptions):
+    """tensorrt_llm, algo int8_sq: SmoothQuant. ModelOpt's own default strength; on SmolLM2 (docs/quantization.md)
+    1.0 loses less than 0.5 (+22.9 % vs +29.5 % perplexity), both a lot."""
+    alpha: float = Field(1.0, ge=0, le=1, description="SmoothQuant migration strength (written as quantize.alpha)")
+
+
+class ModeloptSmoothQuantPerTokenOptions(ModeloptSmoothQuantOptions):
+    """tensorrt_llm, algo int8_sq_per_token: TensorRT-LLM's QuantConfig.smoothquant_val default; on SmolLM2 0.5 gives
+    +0.98 % perplexity, 1.0 +6.3 %."""
+    alpha: float = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength (written as quantize.alpha)")
+
+
+class ModeloptInt4Options(ModeloptOptions):
+    """tensorrt_llm, algos int4_wo / int4_awq: int4 weights, one scale per group of input channels."""
+    block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
+        "weights per scale (written as quantize.block_size); null: 128, TensorRT-LLM's default, where it divides "
+        "every quantized linear's input width, else the largest multiple of 32 below it that does"))
+
+
+class ModeloptInt4ZpOptions(ModeloptInt4Options):
+    """tensorrt_llm, algo int4_zp: int4 weights with a scale and a zero per group of input channels."""
+    block_size: Optional[int] = Field(None, gt=0, le=65536, description=(
+        "weights per scale and zero (written as quantize.block_size): 64 or 128, the only group sizes TensorRT-LLM's "
+        "groupwise int4 GEMM takes; null: 128 where it divides every quantized linear's input width, else 64"))
+
+
+class ModeloptFp8RowwiseOptions(ModeloptOptions):
+    """tensorrt_llm, algo fp8_pc_pt (rowwise FP8). TensorRT-LLM builds this format by swapping whole modules
+    (Attention, GatedMLP, every RmsNorm but ln_f: ``fp8_rowwise_quantize``, tensorrt_llm/quantization/quantize.py @
+    89fd9b7), so a single linear cannot stay in float and ``exclude`` must stay empty; what the checkpoint config can
+    name instead is the Meta recipe."""
+
+    @field_validator("exclude")
+    @classmethod
+    def _whole_modules_only(cls, v):
+        if v:
+            raise ValueError("fp8_pc_pt keeps no single linear in float (TensorRT-LLM swaps whole attention / MLP "
+                             "modules for it); leave it empty, or set quantize.options.meta_recipe: true")
+        return v
+
+    meta_recipe: bool = Field(False, description=(
+        "TensorRT-LLM's use_meta_recipe: the attention (qkv, dense) of every layer and the first and last decoder "
+        "layers stay in the model dtype. SmolLM2-135M, simulated: +0.9 % perplexity (all linears rowwise FP8: "
+        "+2.5 %; docs/quantization.md)"))

@@ -2,9 +2,11 @@
 
 A :class:`Target` declares its name, the model of its ``build.<name>`` recipe section, the quantizers it offers
 (``quantize.algo`` -> the options model ``quantize.options`` is validated against and handed to the quantizer),
-and its flow: the stage classes in order, each of which says the hardware it needs (``Stage.hardware``,
-pipeline/hardware.py). The recipe schema (pipeline/recipe.py), the flows (``pipeline.stages.flow_for``) and the
-messages that list targets ask this module.
+its flow: the stage classes in order, each of which says the hardware it needs (``Stage.hardware``,
+pipeline/hardware.py), and what its engine needs where it is deployed and what `forge doctor` checks for it
+(pipeline/deploy.py). The recipe schema (pipeline/recipe/), the flows (``pipeline.stages.flow_for``), the
+manifest and verify-deploy (pipeline/triton/manifest.py), `forge doctor` and the messages that list targets ask
+this module.
 
 This module imports no target code: the built-in targets (``pipeline/targets/<name>.py``) and the installed plug-ins
 (entry-point group ``forge.targets``) are imported the first time the registry is read, so the recipe schema can
@@ -18,6 +20,9 @@ from importlib.metadata import entry_points
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
+from .deploy import Deploy
+from .quantizer import Quantizer
+
 # the built-in targets, in the order messages list them (a recipe dumps only the section of the target it builds)
 BUILTIN = ("onnxruntime", "tensorrt_llm", "tensorrt")
 DEFAULT = "onnxruntime"
@@ -25,49 +30,52 @@ ENTRY_POINT_GROUP = "forge.targets"
 
 
 @dataclass(frozen=True)
-class Quantizer:
-    """What one ``quantize.algo`` of a target reads: its options model, and the quantize-section keys it uses."""
-    options: type                          # a pydantic model: the schema of quantize.options for this algo
-    section_keys: tuple[str, ...] = ()     # quantize.alpha / quantize.block_size
-
-
-@dataclass(frozen=True)
 class Target:
     name: str
     section: type                          # pydantic model of build.<name>
-    quantizers: Mapping[str, Quantizer]    # quantize.algo -> its quantizer ("none" included: nothing quantized)
+    # quantize.algo -> its quantizer (pipeline/quantizer.py; "none" included: nothing quantized): the target's one
+    # algo table
+    quantizers: Mapping[str, Quantizer]
     flow: tuple[type, ...]                 # Stage subclasses, in run order
     summary: str = ""
     kv_cache: bool = False                 # reads quantize.kv_cache (a quantized KV cache)
     qat: bool = False                      # offers quantize.method: qat
-    # quantize.<key> that stands for quantize.options.<option> of this target's quantizers (block_size)
-    section_options: Mapping[str, str] = field(default_factory=dict)
     # validate.thresholds keys gating a metric only this target's stages produce (refused for the other targets)
     thresholds: tuple[str, ...] = ()
     # what export.attention auto means for the ONNX graph this target exports ("gqa" / "standard")
     onnx_attention: str = "gqa"
+    # validate.reference: simulated -- its evaluate can score against a fake-quantized torch model of the same grid
+    simulated_reference: bool = False
     # rules across sections for a recipe that builds this target: recipe -> problems, each starting with its key
     checks: Callable[[object], list[str]] | None = None
     # a key this target reads under another spelling: quantize.<key> -> its home, quantize.options.<opt> -> its home
+    # (an option a quantizer's section_keys stand for is refused under quantize.options without being listed here)
     moved_section_keys: Mapping[str, str] = field(default_factory=dict)
     moved_options: Mapping[str, str] = field(default_factory=dict)
+    # quantize.algo of another target -> what to use instead here, added to the refusal
+    algo_hints: Mapping[str, str] = field(default_factory=dict)
     # what `forge plan` shows after the stage table: (recipe, model facts or None, console) -> None
     plan_notes: Callable[[object, object, object], None] | None = None
+    # what its packaged engine (manifest "engine": the target's name) is bound to and needs where it is deployed
+    deploy: Deploy = field(default_factory=Deploy)
+    # what `forge doctor` checks on this host for this target: facts -> findings (pipeline/doctor.py run_doctor
+    # says which facts; pipeline.deploy.finding makes one)
+    doctor: Callable[[dict], list[dict]] | None = None
+    # the ranks one engine of a recipe runs as, (tp, pp): `forge doctor --recipe` places them on this host's GPUs
+    ranks: Callable[[object], tuple[int, int]] | None = None
 
     @property
     def algos(self) -> tuple[str, ...]:
         return tuple(self.quantizers)
 
+    def quantizer(self, quantize) -> Quantizer:
+        """The quantizer of a recipe's quantize section (method none quantizes nothing: "none")."""
+        return self.quantizers["none" if quantize.method == "none" else quantize.algo]
+
     def quantize_options(self, quantize):
-        """The options model of ``quantize.algo`` filled from the recipe's quantize section (``quantize.options``,
-        plus the section keys that stand for an option): what the quantizer receives. The recipe schema has
-        already refused what does not validate (pipeline/recipe.py quantize_problems)."""
-        qz = self.quantizers[quantize.algo]
-        opts = dict(quantize.options)
-        for key, opt in self.section_options.items():
-            if key in qz.section_keys and getattr(quantize, key) is not None:
-                opts[opt] = getattr(quantize, key)
-        return qz.options.model_validate(opts)
+        """The typed options of a recipe's quantize section (:meth:`Quantizer.options_of`): what the quantizer
+        receives. The recipe has refused what does not validate (pipeline/recipe/rules.py quantize_problems)."""
+        return self.quantizers[quantize.algo].options_of(quantize)
 
     def stages(self) -> list:
         return [c() for c in self.flow]

@@ -2,21 +2,16 @@
 
 Public API (what the stage wrappers call)::
 
-    validate_quant_config(q, info) -> list[str]        plan-time problems, each naming quantize.<key>
-    needs_sm(algo, kv_cache="none") -> int | None       89 for FP8 engines
-    resolve_quant_config(q, info=None) -> dict          defaults filled in
-    modelopt_config(q, info=None) -> dict               the mtq.quantize config
-    trtllm_quantization(q, info=None) -> dict           the checkpoint's quantization block
-    quantize_model(hf_dir, q, calib, out_dir, *, train, eval_windows, device) -> metrics
+    quantize_model(hf_dir, quantize, calib, out_dir, *, train, eval_windows, device) -> metrics
     restore_model(hf_dir, artifact_dir, device) -> fake-quantized nn.Module
+
+What each ``quantize.algo`` is (its options, the ModelOpt preset, the checkpoint format, the GPU it needs) is its
+quantizer's, in the tensorrt_llm target's one table: pipeline/trtllm/quantizers.py.
 
 Heavy imports (torch, modelopt) happen inside the functions so plan-time validation stays cheap.
 """
 
 from __future__ import annotations
-
-from .configs import (ALGOS, KV_CACHE, METHODS, export_uses_fake_quant, modelopt_config, needs_sm,
-                      resolve_quant_config, trtllm_quantization, valid_block_sizes, validate_quant_config)
 
 
 def quantize_model(*args, **kwargs):
@@ -29,6 +24,4 @@ def restore_model(*args, **kwargs):
     return _r(*args, **kwargs)
 
 
-__all__ = ["ALGOS", "KV_CACHE", "METHODS", "export_uses_fake_quant", "modelopt_config", "needs_sm",
-           "quantize_model", "resolve_quant_config", "restore_model", "trtllm_quantization",
-           "valid_block_sizes", "validate_quant_config"]
+__all__ = ["quantize_model", "restore_model"]

@@ -44,6 +44,15 @@ def cuda_tools(comps: dict) -> dict:
     return comps
 
 
+def streams_fp16(r) -> bool:
+    """Whether the recipe's graph is written in fp16 straight from the weights (pipeline/ort/stream_export.py, issue
+    38): build.onnxruntime.provider cuda with precision fp16 and the GroupQueryAttention export. Every other recipe
+    exports fp32 through torch.export, as before, with the keys it had."""
+    from ..recipe import export_attention
+    return r.build.target == "onnxruntime" and on_cuda(r) and r.build.onnxruntime.precision == "fp16" \
+        and export_attention(r) == "gqa"
+
+
 class CudaAware:
     """build / evaluate / package of a recipe with build.onnxruntime.provider: cuda: keyed by the GPU, need a usable
     CUDA provider (exit 3 with the command to finish elsewhere)."""
@@ -64,7 +73,8 @@ class CudaAware:
 
 
 class OrtExport(Stage):
-    """HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity."""
+    """HF -> ONNX (KV cache I/O), onnx.checker, ORT-vs-torch parity. The CUDA fp16 recipes' graph is written in fp16
+    tensor by tensor (streams_fp16); the others are exported in fp32 by torch.export."""
     name = "export"
     version = "2"   # 2: GroupQueryAttention graph with an in-place KV cache (export.attention), parity via the runtime
     needs = ("source",)
@@ -72,17 +82,37 @@ class OrtExport(Stage):
 
     def config(self, r):
         from ..recipe import export_attention
-        return {**r.export.model_dump(), "attention": export_attention(r)}
+        cfg = {**r.export.model_dump(), "attention": export_attention(r)}
+        if streams_fp16(r):   # only these recipes' keys name the writer (the fp32 recipes keep theirs)
+            from ..ort.stream_export import DEFAULT_FP16_PARITY, WRITER
+            tol = r.export.parity.get("fp16")
+            cfg.update(writer=WRITER, dtype="fp16",
+                       parity_fp16=tol.model_dump() if tol is not None else dict(DEFAULT_FP16_PARITY))
+        return cfg
+
+    def components(self, r, home, upstream):
+        comps = super().components(r, home, upstream)
+        if streams_fp16(r):   # the writer reads the weights with safetensors and loads the reference with accelerate
+            from ..host.tools import tool_label, tool_version
+            comps["tools"].update({tool_label(t): tool_version(t) or "absent" for t in ("safetensors", "accelerate")})
+        return comps
 
     def output_bytes(self, r, info, inputs):
-        return int(info.num_params * 4 * 1.05) if info else None    # fp32 external data + graph
+        # fp16 or fp32 external data + graph
+        return int(info.num_params * (2 if streams_fp16(r) else 4) * 1.05) if info else None
 
     def run(self, ctx: StageContext) -> dict:
-        from ..ort.export import export_onnx
         from ..recipe import export_attention
         e = ctx.recipe.export
+        parity = {k: v.model_dump() for k, v in e.parity.items()}
+        if streams_fp16(ctx.recipe):
+            from ..ort.stream_export import export_fp16_stream
+            # every core: the parity engine casts each fp16 weight to fp32 on the CPU provider (a 7B model: 15 GB)
+            return export_fp16_stream(model_dir(ctx), ctx.out, opset=e.opset, max_seq=e.max_seq_len, parity=parity,
+                                      reference="auto", threads=0)
+        from ..ort.export import export_onnx
         return export_onnx(model_dir(ctx), ctx.out, opset=e.opset, attention=export_attention(ctx.recipe),
-                           max_seq=e.max_seq_len, parity={k: v.model_dump() for k, v in e.parity.items()})
+                           max_seq=e.max_seq_len, parity=parity)
 
 
 def ort_options(q):
@@ -93,9 +123,33 @@ def ort_options(q):
 
 
 def ort_calibrates(q) -> bool:
-    """Only int8 reads calibration data (SmoothQuant's activation ranges); int4_wo (HQQ / RTN) reads weights only,
-    so its key leaves the calibration settings out and a calibration change does not rebuild it."""
+    """int8 reads calibration data (SmoothQuant's activation ranges), and int4_wo's fitted methods (fit, gptq: the
+    activations' second moments); int4_wo HQQ / RTN read weights only, so their key leaves the calibration settings
+    out and a calibration change does not rebuild them."""
+    if q.algo == "int4_wo":
+        from ..ort.quantize import INT4_CALIBRATED
+        return ort_options(q).method in INT4_CALIBRATED
     return q.algo == "int8"
+
+
+def simulation_spec(r, tied_lm_head: bool) -> dict | None:
+    """``validate.reference: simulated``: the grids the quantize stage writes (pipeline.ort.quantize.weight_grid),
+    with the scales' type the built engine holds (fp16 after the CUDA build's conversion); None for fp32."""
+    if r.validate_.reference != "simulated":
+        return None
+    from ..ort.quantize import weight_grid
+    return weight_grid(r.quantize.algo, ort_options(r.quantize), tied_lm_head=tied_lm_head,
+                       scale_dtype="float16" if r.build.onnxruntime.precision == "fp16" else "float32")
+
+
+def simulation_problems(r) -> list[str]:
+    """A recipe that asks for the simulated reference quantizes on a grid the simulation reproduces."""
+    from ..errors import ForgeError
+    try:
+        simulation_spec(r, tied_lm_head=False)
+    except ForgeError as e:
+        return [str(e)]
+    return []
 
 
 class OrtQuantize(Stage):
@@ -110,6 +164,8 @@ class OrtQuantize(Stage):
         cfg = {"method": q.method, "algo": q.algo, "alpha": q.alpha, "block_size": q.block_size, "options": q.options}
         if ort_calibrates(q):
             cfg["calibration"] = q.calibration.model_dump()
+        if streams_fp16(r) and q.algo != "none":
+            cfg["quantizer"] = "stream"   # pipeline/ort/stream_quantize.py, weight by weight
         return cfg
 
     def data(self, r, home):
@@ -129,10 +185,9 @@ class OrtQuantize(Stage):
         quantize the padding with it: a silent accuracy cost). Its form (a power of two >= 16) is the schema's."""
         if r.quantize.algo != "int4_wo" or info is None:
             return []
-        from ..quant.configs import linear_input_widths
         key = "quantize.block_size"
         block = ort_options(r.quantize).block_size
-        widths = {**linear_input_widths(info), "lm_head": info.hidden_size}
+        widths = {**info.linear_input_widths(), "lm_head": info.hidden_size}
         bad = {k: w for k, w in widths.items() if w % block}
         if bad:
             ok = [b for b in (16, 32, 64, 128, 256) if all(w % b == 0 for w in widths.values())]
@@ -143,6 +198,9 @@ class OrtQuantize(Stage):
     def run(self, ctx: StageContext) -> dict:
         from ..ort.quantize import quantize_onnx
         q = ctx.recipe.quantize
+        if streams_fp16(ctx.recipe) and q.algo != "none":
+            from ..ort.stream_quantize import quantize_stream
+            return quantize_stream(ctx.inputs["export"], ctx.out, algo=q.algo, options=ort_options(q))
         calib = calibration_windows(ctx) if ort_calibrates(q) else None
         return quantize_onnx(ctx.inputs["export"], ctx.out, algo=q.algo, calib_windows=calib, options=ort_options(q))
 
@@ -180,7 +238,11 @@ class OrtBuildStage(CudaAware, Stage):
         tok = tokenizer(str(model_dir(ctx)))
         ids = np.array([sum((tok(p, add_special_tokens=False)["input_ids"] for p in datasets.load_prompts()), [])])
         src, fp16 = ctx.inputs["quantize"], {}
-        tmp = tempfile.mkdtemp(prefix=".fp16-", dir=ctx.out.parent) if b.precision == "fp16" else None
+        if streams_fp16(ctx.recipe):   # written in fp16 by the export (norms fused, QKV packed): nothing to convert
+            from ..ort.export import load_meta
+            fp16 = load_meta(src).get("fp16") or {}
+        tmp = tempfile.mkdtemp(prefix=".fp16-", dir=ctx.out.parent) \
+            if b.precision == "fp16" and not streams_fp16(ctx.recipe) else None
         try:
             if tmp:   # fp16: converted here, then optimised by the provider it runs on
                 from ..ort.fp16 import convert_fp16
@@ -206,7 +268,23 @@ class OrtEvaluate(CudaAware, EvaluateBase):
         cfg = super().config(r)
         if on_cuda(r):   # CPU recipes keep their keys
             cfg["provider"], cfg["cuda_graph"] = "cuda", r.build.onnxruntime.cuda_graph
+        if r.validate_.reference == "simulated":   # fp32 recipes keep their keys
+            cfg["reference"] = {"kind": "simulated", "grid": simulation_spec(r, tied_lm_head=False)}
         return cfg
+
+    def simulation(self, ctx, model_config) -> dict | None:
+        spec = simulation_spec(ctx.recipe, bool(getattr(model_config, "tie_word_embeddings", False)))
+        if spec is None:
+            return None
+        # the engine's own record of what the quantizer did must be what is simulated
+        from ..errors import ForgeError
+        from ..ort.export import META_FILE
+        q = json.loads((ctx.inputs["build"] / META_FILE).read_text()).get("quantization") or {}
+        if q.get("algo") != spec["algo"] or bool(q.get("lm_head")) != bool(spec["lm_head"]):
+            raise ForgeError(f"validate.reference simulated: the engine was quantized as {q} but the recipe's grid "
+                             f"is {spec}; rebuild with `forge build {ctx.recipe.name} --force quantize`")
+        spec["expect_quantized"] = q.get("quantized_matmuls")
+        return spec
 
     def hardware(self, r):
         if on_cuda(r):
@@ -236,7 +314,7 @@ class OrtEvaluate(CudaAware, EvaluateBase):
 
 class OrtPackage(CudaAware, PackageStage):
     """Triton model repository (ensemble text in / text out) + manifest.json."""
-    version = "8"   # 8: decoupled: true streams (engine model decoupled, declares streaming; the BLS forwards its configured inputs; issue 28); 7: the manifest lists the repository's empty folders and no regression rules (issue 24); 6: dynamic INT8 engines answer Triton rows one at a time (batch-dependent activation scales); 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on; 5: engine module with fixed-shape / CUDA-graph decode; provider cuda: KIND_GPU, the python model on the CUDA provider
+    version = "9"   # 9: CUDA packages batch in flight (K/V rows in GPU slots, requests join between decode steps; issue 38); 8: decoupled: true streams (engine model decoupled, declares streaming; the BLS forwards its configured inputs; issue 28); 7: the manifest lists the repository's empty folders and no regression rules (issue 24); 6: dynamic INT8 engines answer Triton rows one at a time (batch-dependent activation scales); 2: BLS model calls every model with exec(decoupled=True); 3: manifest.json without a creation timestamp (same inputs, same digest); 4: the manifest records the engine's quantization and the ISA class it was validated on; 5: engine module with fixed-shape / CUDA-graph decode; provider cuda: KIND_GPU, the python model on the CUDA provider
     tools = ORT_TOOLS
 
     def write_repository(self, ctx, evaluation):

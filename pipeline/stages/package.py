@@ -7,6 +7,7 @@ import json
 import platform
 
 from .. import __version__
+from .. import target_registry as registry
 from ..host.tools import tool_versions
 from ..triton.manifest import BUILD_TOOLS
 from .base import Stage, StageContext, payload_bytes
@@ -41,14 +42,16 @@ class PackageStage(Stage):
         from ..triton.manifest import write_manifest
         evaluation = json.loads((ctx.inputs["evaluate"] / "metrics.json").read_text())
         metrics, target, build = self.write_repository(ctx, evaluation)
-        write_manifest(ctx.out, manifest_info(ctx, target=target, evaluation=evaluation, build=build)
-                       | self.manifest_extra(ctx))
+        # the engine is the target's: what it is bound to and needs where it is deployed is Target.deploy's
+        write_manifest(ctx.out, {"engine": ctx.recipe.build.target}
+                       | manifest_info(ctx, target=target, evaluation=evaluation, build=build) | self.manifest_extra(ctx))
         return metrics or {}
 
 
 def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = None) -> dict:
     """What the repository was built from and for (pipeline/triton/manifest.py adds files and hardware)."""
     r = ctx.recipe
+    bound = registry.get(r.build.target).deploy.bound_tools      # recorded whatever BUILD_TOOLS says
     source = json.loads((ctx.inputs["source"] / "source.json").read_text())
     q = r.quantize
     calib = calibration_digests(r)
@@ -59,7 +62,8 @@ def manifest_info(ctx, *, target: str, evaluation: dict, build: dict | None = No
         "model": {"source": source["spec"], "kind": source["kind"], "digest": source["digest"]},
         "calibration": {"config": q.calibration.model_dump(), "digests": calib} if calib else None,
         "evaluation_data": evals,
-        "tools": {k: v for k, v in tool_versions(BUILD_TOOLS).items() if v} | {"python": platform.python_version()},
+        "tools": {k: v for k, v in tool_versions(tuple(dict.fromkeys(BUILD_TOOLS + bound))).items() if v}
+        | {"python": platform.python_version()},
         "target": target,
         "build": build or {},
         "artifacts": ctx.extra.get("upstream_digests", {}),

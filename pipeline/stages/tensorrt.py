@@ -8,11 +8,9 @@ time is spent; build stops here with what is missing and the command that finish
 
 from __future__ import annotations
 
-from ..errors import ForgeError
-from ..quant import needs_sm
 from ..host.gpu import gpu_sm
 from .base import GpuStage, Stage, StageContext, cpu_hardware, payload_bytes
-from .common import calibration_digests, calibration_windows
+from .common import calibration_digests, calibration_windows, quantize_options, quantizer
 from .evaluate import EvaluateBase
 from .validate import ValidateStage
 
@@ -31,18 +29,11 @@ class TensorrtQuantize(Stage):
     tools = ("onnx", "onnxruntime", "nvidia-modelopt", "onnx-graphsurgeon")
     description = "ModelOpt ONNX PTQ: QDQ INT8 / FP8 around the weight MatMuls, the rest in build.tensorrt.precision"
 
-    def _options(self, r):
-        from ..tensorrt.quantize import resolve_options
-        return resolve_options(r.quantize.algo, r.quantize.options)
-
     def config(self, r):
         q = r.quantize
         cfg = {"quantizer": "modelopt.onnx", "algo": q.algo, "precision": r.build.tensorrt.precision}
         if q.algo != "none":
-            try:
-                cfg["options"] = self._options(r).model_dump()
-            except ForgeError:
-                cfg["options"] = q.options     # plan_problems reports the error
+            cfg["options"] = quantize_options(r).model_dump()      # every option, defaults included
             cfg["calibration"] = q.calibration.model_dump()
         return cfg
 
@@ -61,7 +52,7 @@ class TensorrtQuantize(Stage):
         calib = calibration_windows(ctx) if r.quantize.algo != "none" else None
         return quantize_for_tensorrt(ctx.inputs["export"], ctx.out, algo=r.quantize.algo,
                                      precision=r.build.tensorrt.precision, calib_windows=calib,
-                                     options=self._options(r), batch=r.quantize.calibration.batch)
+                                     options=quantize_options(r), batch=r.quantize.calibration.batch)
 
 
 class QdqEvaluate(EvaluateBase):
@@ -117,7 +108,7 @@ class TensorrtBuildStage(GpuStage):
     def plan_problems(self, r, info):
         p = []
         b, algo = r.build.tensorrt, r.quantize.algo
-        need, sm = needs_sm(algo), engine_sm(r)
+        need, sm = quantizer(r).min_sm, engine_sm(r)
         if need and sm is None:
             p.append(f"quantize.algo '{algo}' makes an engine that needs a GPU with SM >= {need} (Ada/Hopper) and no GPU "
                      f"is visible here to say which one it is for: set build.tensorrt.gpu_sm (e.g. 89 or 90)")

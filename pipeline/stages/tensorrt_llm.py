@@ -10,7 +10,7 @@ from ..host.files import atomic_copy
 from ..host.gpu import gpu_sm
 from ..errors import StageFailed
 from .base import GpuStage, Stage, StageContext, payload_bytes
-from .common import calibration_windows, model_dir, set_digests, windows
+from .common import calibration_windows, model_dir, quantize_options, quantizer, set_digests, windows
 from .evaluate import EvaluateBase
 from .package import PackageStage
 
@@ -75,8 +75,8 @@ class ModeloptQuantize(Stage):
         return int(info.num_params * 4 * 1.05) if info else None    # fake-quant model with fp32 weights
 
     def plan_problems(self, r, info):
-        from ..quant import validate_quant_config
-        return validate_quant_config(r.quantize.model_dump(), info) if info else []
+        """What the model's facts refuse (the INT4 group size, sequence lengths): the recipe validated the rest."""
+        return quantizer(r).plan_problems(r.quantize, quantize_options(r), info) if info else []
 
     def run(self, ctx: StageContext) -> dict:
         from ..quant import quantize_model
@@ -90,8 +90,7 @@ class ModeloptQuantize(Stage):
         eval_w = windows(ctx, e.set, e.split, e.samples, e.seq_len, e.seed)
         import torch
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        return quantize_model(model_dir(ctx), q.model_dump(), calib, ctx.out, train=train, eval_windows=eval_w,
-                              device=device)
+        return quantize_model(model_dir(ctx), q, calib, ctx.out, train=train, eval_windows=eval_w, device=device)
 
 
 class TrtllmCheckpoint(Stage):
@@ -104,7 +103,17 @@ class TrtllmCheckpoint(Stage):
 
     def config(self, r):
         b = r.build.tensorrt_llm
-        return {"dtype": b.dtype, "tp": b.tp, "pp": b.pp}
+        cfg = {"dtype": b.dtype, "tp": b.tp, "pp": b.pp}
+        q = r.quantize
+        if q.method != "none" and q.algo == "int4_wo" and q.block_size is None:
+            # the group size TensorRT-LLM quantizes the float weights with is the quantizer's default for the model,
+            # as the quantize stage simulated it (issue 39: it was 128 whatever the model)
+            cfg["group_size"] = "the model's default (pipeline/trtllm/quantizers.py)"
+        if q.algo in ("int8_wo", "int4_wo") and q.kv_cache != "none":
+            # these exports once dropped the KV-cache scales (checkpoint._disable_quantizers, issue 40): such a
+            # cached checkpoint says kv_cache_quant_algo null, so its key moves; no other setting's does
+            cfg["kv_cache_scales"] = "exported"
+        return cfg
 
     def output_bytes(self, r, info, inputs):
         return int(info.num_params * 2 * 1.05) if info else None    # 16-bit weights at most, all ranks together
@@ -116,8 +125,10 @@ class TrtllmCheckpoint(Stage):
         b = ctx.recipe.build.tensorrt_llm
         mdir = model_dir(ctx)
         model = restore_model(mdir, ctx.inputs["quantize"])
+        qz, q = quantizer(ctx.recipe), ctx.recipe.quantize
+        # the quantize section as the quantizer resolved it (a concrete group size): what the quantize stage ran
         metrics = write_checkpoint(model, ctx.info, mdir, ctx.out, dtype=b.dtype, tp=b.tp, pp=b.pp,
-                                   quant=ctx.recipe.quantize.model_dump())
+                                   quant=qz.record(q, qz.options_of(q), ctx.info))
         del model
         violations = check_contract(ctx.out)
         if violations:
@@ -152,22 +163,29 @@ class CheckpointEvaluate(EvaluateBase):
         return metrics
 
 
-def memory_problems(r, info, found=None) -> list[str]:
-    """Refuses, at plan, a recipe whose evaluation engine does not fit this machine's GPU (the memory plan counts
-    the runtime's buffers: docs/trtllm-memory.md). ``found``: pipeline.host.gpu.gpus() (tests pass their own)."""
+def memory_problems(r, info, found=None, *, deploy: bool = False) -> list[str]:
+    """Refuses, at plan, a recipe whose evaluation engine (or, with ``deploy``, the engine Triton serves) does not fit
+    this machine's GPU: the memory plan counts what TensorRT-LLM allocates before the KV pool and what it allocates
+    per step after it, with the KV-cache limits forge writes (docs/trtllm-memory.md). ``found``:
+    pipeline.host.gpu.gpus() (tests pass their own)."""
     from ..host.gpu import gpus
     from ..gpus import match_nvml_name
-    from ..memory import plan_for_recipe
+    from ..trtllm.memory import plan_for_recipe
     found = gpus() if found is None else found
     spec = match_nvml_name(found[0]["name"] or "") if found else None
     if spec is None:
         return []           # no GPU here, or one the table does not know: `forge memory --gpu NAME` plans it
-    plan, [v] = plan_for_recipe(r, info, spec.name)
+    plan, [v] = plan_for_recipe(r, info, spec.name, deploy=deploy)
     if plan.total_bytes <= v.capacity_bytes:
         return []
     fixes = "; ".join(f"--set {s.recipe_key}={s.value}" for s in v.suggestions if s.value is not None)
-    return [f"memory: one rank needs {plan.total_bytes / 2**30:.2f} GiB, this {spec.name} has "
-            f"{v.capacity_bytes / 2**30:.2f} GiB (runtime logits buffer {plan.logits_bytes / 2**30:.2f} GiB; "
+    engine = "the served engine (build_deploy)" if deploy else "the evaluation engine"
+    pool = (f"KV pool capped at {plan.kv_max_tokens} tokens" if plan.kv_max_tokens is not None else
+            f"KV pool kv_cache_free_gpu_mem_fraction {plan.args['kv_cache_free_gpu_mem_fraction']} of the free memory")
+    return [f"memory: one rank of {engine} needs {plan.total_bytes / 2**30:.2f} GiB, this {spec.name} has "
+            f"{v.capacity_bytes / 2**30:.2f} GiB ({plan.early_bytes / 2**30:.2f} GiB before the KV pool, "
+            f"{plan.kv_cache_paged_bytes / 2**30:.2f} GiB of KV cache, {plan.late_bytes / 2**30:.2f} GiB allocated "
+            f"per step after it, {pool}; it would run out of memory at run time; "
             f"`forge memory {r.name} --gpu {spec.name}` shows every part)"
             + (f"; would fit with {fixes}" if fixes else "")]
 
@@ -253,9 +271,10 @@ class EngineCandidate:
     ``close()`` (called by EvaluateBase.run) unloads it.
     """
 
-    def __init__(self, engine_dir, *, runner_spec: str | None = None):
+    def __init__(self, engine_dir, *, runner_spec: str | None = None, kv_cache_free_gpu_mem_fraction=None):
         from ..trtllm.runtime import RUNNER, EngineSession
-        self.session = EngineSession(engine_dir, runner_spec=runner_spec or RUNNER)
+        self.session = EngineSession(engine_dir, runner_spec=runner_spec or RUNNER,
+                                     kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
 
     def logits(self, input_ids):
         return self.session.context_logits(input_ids)
@@ -276,12 +295,14 @@ class TrtllmEvaluate(OnTrtllmGpu, EvaluateBase):
     subject = "tensorrt_llm engine"
 
     def candidate(self, ctx):
-        return EngineCandidate(ctx.inputs["build"])
+        # the KV limits the memory plan assumes (runtime.runner_options): the recipe's fraction, the engine's cap
+        return EngineCandidate(ctx.inputs["build"],
+                               kv_cache_free_gpu_mem_fraction=ctx.recipe.package.triton.kv_cache_free_gpu_mem_fraction)
 
 
 class TrtllmPackage(OnTrtllmGpu, PackageStage):
     """Triton tensorrtllm_backend repository (ensemble/pre/post/tensorrt_llm/bls) + manifest.json."""
-    version = "7"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3); 5: packages the deploy engine (build_deploy), manifest records both engines; 6: the manifest lists the repository's empty folders and no regression rules (issue 24); 7: the BLS forwards the inputs its config lists, streaming is a shared engine input (issue 28)
+    version = "8"   # 2: tensorrt_llm config carries the parameters read without fallback; BLS decoupled calls; 3: manifest.json without a creation timestamp (same inputs, same digest); 4: max_attention_window_size per layer for sliding-window engines (Mistral, Gemma 3); 5: packages the deploy engine (build_deploy), manifest records both engines; 6: the manifest lists the repository's empty folders and no regression rules (issue 24); 7: the BLS forwards the inputs its config lists, streaming is a shared engine input (issue 28); 8: max_tokens_in_paged_kv_cache caps the KV pool at the recipe's need, leaving the per-step buffers room (issue 40)
     tools = TRTLLM_TOOLS
     needs = ("build_deploy", "build", "validate", "evaluate", "source")
 
@@ -294,7 +315,8 @@ class TrtllmPackage(OnTrtllmGpu, PackageStage):
 
     def plan_problems(self, r, info):
         from ..triton.repo_trtllm import check_triton_vs_engine
-        return check_triton_vs_engine(r.package.triton.model_dump(), deploy_build_section(r))
+        return check_triton_vs_engine(r.package.triton.model_dump(), deploy_build_section(r)) \
+            + (memory_problems(r, info, deploy=True) if info is not None else [])
 
     def write_repository(self, ctx, evaluation):
         from ..trtllm.agreement import engines_record, greedy_agreement, greedy_tokens
@@ -306,9 +328,10 @@ class TrtllmPackage(OnTrtllmGpu, PackageStage):
         e = ctx.recipe.validate_.eval[0]
         prompts = [w[:AGREE_PROMPT_TOKENS].tolist() for w in windows(ctx, e.set, e.split, e.samples, e.seq_len,
                                                                      e.seed)[:AGREE_PROMPTS]]
+        frac = ctx.recipe.package.triton.kv_cache_free_gpu_mem_fraction
         engines["greedy_agreement"] = greedy_agreement(
-            greedy_tokens(ctx.inputs["build"], prompts, AGREE_NEW_TOKENS),
-            greedy_tokens(ctx.inputs["build_deploy"], prompts, AGREE_NEW_TOKENS),
+            greedy_tokens(ctx.inputs["build"], prompts, AGREE_NEW_TOKENS, kv_cache_free_gpu_mem_fraction=frac),
+            greedy_tokens(ctx.inputs["build_deploy"], prompts, AGREE_NEW_TOKENS, kv_cache_free_gpu_mem_fraction=frac),
             ctx.recipe.validate_.thresholds.top1_agreement_min)
         res = write_trtllm_repo(ctx.out, engine_dir=ctx.inputs["build_deploy"],
                                 tokenizer_dir=ctx.inputs["source"] / "tokenizer",

@@ -58,16 +58,34 @@ class ValidateStage(Stage):
     skip = CHECKPOINT_ONLY           # an engine's evaluation has no simulated perplexity to compare with
 
     def config(self, r):
-        return {"thresholds": r.validate_.thresholds.model_dump()}
+        cfg = {"thresholds": r.validate_.thresholds.model_dump()}
+        if r.validate_.fp32_thresholds is not None:    # only then: every other recipe keeps its key
+            cfg["fp32_thresholds"] = r.validate_.fp32_thresholds.model_dump()
+        return cfg
 
     def run(self, ctx: StageContext) -> dict:
         m = json.loads((ctx.inputs[self.needs[0]] / "metrics.json").read_text())
-        gates = check_gates(m, ctx.recipe.validate_.thresholds.model_dump(), self.skip)
+        v = ctx.recipe.validate_
+        ref = (m.get("reference") or {}).get("kind", "fp32")
+        gates = check_gates(m, v.thresholds.model_dump(), self.skip)
+        if ref != "fp32":     # the thresholds gate the figures against the simulation: say so in every gate
+            for g in gates:
+                g["vs"] = ref
+        if v.fp32_thresholds is not None and "fp32" in m:
+            for g in check_gates(m["fp32"], v.fp32_thresholds.model_dump(), self.skip):
+                gates.append({**g, "name": f"fp32:{g['name']}", "vs": "fp32",
+                              "key": g["key"].replace("validate.thresholds.", "validate.fp32_thresholds.")})
         result = {"subject": m.get("subject", ""), "gates": gates, "passed": all(g["passed"] for g in gates)}
+        if ref != "fp32":
+            result["reference"] = ref
+        if m.get("note"):
+            result["note"] = m["note"]
         if not result["passed"]:
+            vs = f" vs the {ref} reference" if ref != "fp32" else ""
             lines = [f"{g['name']} = {_shown(g['value'])} (needs {g['op']} {g['threshold']}, {g['key']})"
                      for g in gates if not g["passed"]]
-            raise StageFailed(f"validation failed for {m.get('subject', '')}: " + "; ".join(lines), result)
+            note = f" ({m['note']})" if m.get("note") else ""
+            raise StageFailed(f"validation failed for {m.get('subject', '')}{vs}{note}: " + "; ".join(lines), result)
         (ctx.out / "gates.json").write_text(json.dumps(result, indent=2))
         return result
 

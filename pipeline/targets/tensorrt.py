@@ -6,12 +6,13 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from ..recipe import MAX_BATCH, MAX_SEQ_LEN, Section
-from ..tensorrt.quantize import OPTIONS
+from ..recipe.ground import MAX_BATCH, MAX_SEQ_LEN, Section
+from ..tensorrt.quantize import QUANTIZERS
 from ..stages.onnxruntime import OrtExport
 from ..stages.source import SourceStage
 from ..stages.tensorrt import QdqEvaluate, QdqValidate, TensorrtBuildStage, TensorrtQuantize
-from ..target_registry import Quantizer, Target, register
+from ..deploy import gpu_arch, needs_tool
+from ..target_registry import Target, register
 
 
 class TensorrtBuild(Section):
@@ -38,11 +39,14 @@ def _checks(recipe) -> list[str]:
 TARGET = register(Target(
     name="tensorrt",
     section=TensorrtBuild,
-    # the algos ModelOpt's ONNX PTQ is driven with, with their options models (pipeline/tensorrt/quantize.OPTIONS)
-    quantizers={a: Quantizer(m) for a, m in OPTIONS.items()},
+    # the algos ModelOpt's ONNX PTQ is driven with (pipeline/tensorrt/quantize.py, the one table)
+    quantizers=QUANTIZERS,
     flow=(SourceStage, OrtExport, TensorrtQuantize, QdqEvaluate, QdqValidate, TensorrtBuildStage),
     summary="TensorRT engine from an ONNX graph with QDQ (ModelOpt ONNX PTQ)",
     moved_section_keys={"alpha": "quantize.options.smoothquant_alpha"},
     onnx_attention="standard",     # TensorRT parses plain ONNX attention only
     checks=_checks,
+    deploy=gpu_arch(("tensorrt",), "build.tensorrt.gpu_sm"),     # an engine runs on its GPU SM and TensorRT only
+    doctor=needs_tool("tensorrt", "the tensorrt target cannot build engines",
+                      "on a GPU machine: pip install tensorrt (wheels come from NVIDIA's package index)"),
 ))

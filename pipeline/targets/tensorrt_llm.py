@@ -7,14 +7,14 @@ from typing import Literal, Optional
 
 from pydantic import Field
 
-from ..recipe import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Section
-from ..recipe_options import ModeloptOptions
+from ..recipe.ground import MAX_BATCH, MAX_GPUS, MAX_SEQ_LEN, Section
 from ..stages.source import SourceStage
 from ..stages.tensorrt_llm import (CheckpointEvaluate, ModeloptQuantize, TrtllmBuildDeploy, TrtllmBuildStage,
                                    TrtllmCheckpoint, TrtllmEvaluate, TrtllmPackage)
 from ..stages.validate import ValidateCheckpointStage, ValidateStage
-from ..trtllm.build_config import QUANT_ALGO
-from ..target_registry import Quantizer, Target, register
+from ..deploy import gpu_arch, needs_tool
+from ..target_registry import Target, register
+from ..trtllm.quantizers import QUANTIZERS
 
 
 class TrtllmBuild(Section):
@@ -50,15 +50,12 @@ class TrtllmBuild(Section):
     extra_args: list[str] = Field(default_factory=list)
 
 
-# the quantize-section keys ModelOpt's configs read per algo (pipeline/quant/configs.modelopt_config)
-_SECTION_KEYS = {"int8_sq": ("alpha",), "int8_sq_per_token": ("alpha",), "int4_wo": ("block_size",), "int4_awq": ("block_size",)}
-
 def plan_notes(recipe, info, console) -> None:
     """The prompt limit the runtime will accept, and the per-rank GPU memory plan (docs/trtllm-memory.md)."""
     from rich.markup import escape
 
     from ..errors import ForgeError
-    from ..memory import plan_for_recipe, render_memory
+    from ..trtllm.memory import plan_for_recipe, render_memory
     from ..trtllm.build_config import prompt_limit
     b = recipe.build.tensorrt_llm
     lim, ignored = prompt_limit(b.model_dump())
@@ -77,15 +74,21 @@ def plan_notes(recipe, info, console) -> None:
 TARGET = register(Target(
     name="tensorrt_llm",
     section=TrtllmBuild,
-    # the algos are those TensorRT-LLM's checkpoint can say (trtllm/build_config.QUANT_ALGO, the one map)
-    quantizers={a: Quantizer(ModeloptOptions, _SECTION_KEYS.get(a, ())) for a in QUANT_ALGO},
+    # one ModelOpt quantizer per algo TensorRT-LLM's checkpoint can say (pipeline/trtllm/quantizers.py, the one table)
+    quantizers=QUANTIZERS,
     flow=(SourceStage, ModeloptQuantize, TrtllmCheckpoint, CheckpointEvaluate, ValidateCheckpointStage,
           TrtllmBuildStage, TrtllmEvaluate, ValidateStage, TrtllmBuildDeploy, TrtllmPackage),
     summary="TensorRT-LLM engine from a ModelOpt-quantized checkpoint",
     kv_cache=True,
     thresholds=("simulated_ppl_gap_max",),     # the checkpoint's reference numerics vs the quantize stage's
     qat=True,
-    # ModelOpt's torch quantizer reads SmoothQuant's strength from the quantize section
-    moved_options={"smoothquant_alpha": "quantize.alpha", "block_size": "quantize.block_size"},
+    # SmoothQuant's strength is quantize.alpha here (the onnxruntime and tensorrt targets' option name)
+    moved_options={"smoothquant_alpha": "quantize.alpha"},
+    algo_hints={"int8": "'int8' is the onnxruntime target's format, use int8_sq_per_token, int8_sq or int8_wo here"},
     plan_notes=plan_notes,
+    # an engine runs on its GPU SM, with the TensorRT and TensorRT-LLM it was built with
+    deploy=gpu_arch(("tensorrt", "tensorrt_llm"), "build.tensorrt_llm.gpu_sm"),
+    doctor=needs_tool("tensorrt_llm", "the tensorrt_llm target stops after the checkpoint stage",
+                      "on a GPU machine: pip install 'tensorrt-llm>=1.2,<1.3' (wheels come from NVIDIA's package index)"),
+    ranks=lambda r: (r.build.tensorrt_llm.tp, r.build.tensorrt_llm.pp),
 ))

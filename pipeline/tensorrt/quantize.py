@@ -45,33 +45,21 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ForgeError
+from ..gpus import FP8_MIN_SM
+from ..quantizer import Quantizer
 from ..recipe_options import NoOptions, TensorrtFp8Options, TensorrtInt8Options, TensorrtOptions
 
 MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx_data"     # ModelOpt's name for the external weights of its output
 QUANT_FILE = "tensorrt_quant.json"
-# the algos this quantizer implements -> the model of their options; the tensorrt target offers exactly these
-OPTIONS = {"none": NoOptions, "int8": TensorrtInt8Options, "fp8": TensorrtFp8Options}
+# quantize.algo -> its quantizer (pipeline/quantizer.py: typed options, the GPU it needs): the tensorrt target's one
+# algo table
+QUANTIZERS = {
+    "none": Quantizer(NoOptions, summary="the FP32 graph in build.tensorrt.precision, no QDQ"),
+    "int8": Quantizer(TensorrtInt8Options, summary="QDQ INT8 around the weight MatMuls (static, per tensor)"),
+    "fp8": Quantizer(TensorrtFp8Options, min_sm=FP8_MIN_SM, summary="QDQ FP8 (E4M3) around the weight MatMuls"),
+}
 TRT_UNPARSABLE = {"MatMulInteger", "DynamicQuantizeLinear", "MatMulNBits", "DynamicQuantizeMatMul", "QLinearMatMul"}
-
-
-def resolve_options(algo: str, options: dict) -> TensorrtOptions:
-    """The options model of ``algo`` (:data:`OPTIONS`) filled from ``quantize.options``."""
-    from pydantic import ValidationError
-
-    model = OPTIONS.get(algo)
-    if model is None or not issubclass(model, TensorrtOptions):
-        if options:
-            raise ForgeError(f"quantize.options {sorted(options)} do not apply to quantize.algo {algo!r} "
-                             "(nothing is quantized); remove them")
-        return TensorrtOptions()
-    opts = dict(options)
-    try:
-        return model.model_validate(opts)
-    except ValidationError as e:
-        allowed = ", ".join(model.model_fields)
-        raise ForgeError("; ".join(f"quantize.options.{'.'.join(map(str, err['loc']))}: {err['msg']} "
-                                   f"(tensorrt target, algo {algo}: {allowed})" for err in e.errors())) from None
 
 
 def module_of(node) -> str:

@@ -1,20 +1,24 @@
 """``manifest.json`` of a packaged repository, and ``verify-deploy`` against the current environment.
 
 The manifest records what the repository was built from and for: recipe (+hash), model /
-calibration / eval digests, tool versions, target (``cpu`` or the GPU SM), build args, validation
-metrics, and a digest of every file in the repository. ``verify_deploy`` refuses a repository whose
-files were changed after packaging, or whose engine needs another TensorRT / TensorRT-LLM version
-or another GPU architecture than this machine has (engines are not portable across either).
-``deploy_warnings`` says when a CPU engine was validated on another ISA class than this CPU's.
+calibration / eval digests, tool versions, the engine (the build target that made it), the hardware it needs,
+build args, validation metrics, and a digest of every file in the repository. ``verify_deploy`` refuses a
+repository whose files were changed after packaging, whose engine is bound to another version of a tool than this
+machine has, or that this host cannot serve; ``deploy_warnings`` says what may differ here without making it unfit.
+What an engine is bound to and needs is its target's (``Target.deploy``, pipeline/deploy.py): this module names no
+target.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 
-from pipeline.host.cpu import cpu_facts, cpu_isa_class
+from pipeline import target_registry as registry
+from pipeline.deploy import Deploy, obj as _obj, rebuild_hint
+from pipeline.host.cpu import cpu_isa_class
 from pipeline.host.gpu import gpus
 from pipeline.host.tools import tool_label, tool_versions
 from pipeline.errors import ForgeError
@@ -24,17 +28,23 @@ MANIFEST = "manifest.json"
 SCHEMA = 1
 # tools that make an engine (pipeline.host.tools.TOOLS labels): a manifest records each, null when absent
 BUILD_TOOLS = ("torch", "transformers", "modelopt", "onnx", "onnxruntime", "tensorrt", "tensorrt_llm")
-# tools this machine reports for verify-deploy: the build tools and the serving side
+# tools this machine reports for verify-deploy: the build tools and the serving side (and every registered target's
+# bound tools: current_env)
 TOOLS = BUILD_TOOLS + ("tritonclient", "pytriton", "forge")
-# tools whose version an engine is bound to, per target
-ENGINE_BOUND = {"tensorrt_llm": ("tensorrt", "tensorrt_llm"), "tensorrt": ("tensorrt",), "onnxruntime": ()}
+
+
+def engine_deploy(engine) -> Deploy | None:
+    """What the engine a manifest names (its build target) needs where it is deployed; None when no registered
+    target has that name."""
+    return registry.get(engine).deploy if isinstance(engine, str) and engine in registry.names() else None
 
 
 def current_env() -> dict:
-    """Tool versions, GPUs (SM) and platform of this machine."""
+    """Tool versions, GPUs (SM), platform and CPUs of this machine: what a target's deploy checks read."""
     from pipeline import __version__
 
-    tools = tool_versions(TOOLS)
+    bound = tuple(t for x in registry.all_targets() for t in x.deploy.bound_tools)
+    tools = tool_versions(tuple(dict.fromkeys(TOOLS + bound)))
     tools["forge"] = tools["forge"] or __version__
     try:   # the onnxruntime that is imported (onnxruntime-gpu and the CPU wheel may both be installed, one module)
         import onnxruntime
@@ -44,7 +54,7 @@ def current_env() -> dict:
     found = gpus()
     return {"tools": tools, "gpus": found, "gpu_sms": sorted({g["sm"] for g in found}),
             "python": platform.python_version(), "machine": platform.machine(), "system": platform.system(),
-            "cpu_isa_class": cpu_isa_class()}
+            "cpu_isa_class": cpu_isa_class(), "logical_cpus": os.cpu_count()}
 
 
 def repo_file_digests(repo_dir: Path, use_stat_cache: bool = True) -> dict[str, str]:
@@ -84,60 +94,30 @@ def file_problems(repo_dir, manifest: dict) -> list[str]:
     return problems
 
 
-def _engine_kind(repo: Path) -> str:
-    if (repo / "tensorrt_llm" / "config.pbtxt").exists():
-        return "tensorrt_llm"
-    if (repo / "onnxruntime_llm" / "config.pbtxt").exists():
-        return "onnxruntime"
-    return "tensorrt"
-
-
-def _sm_from(target, gpu_sm) -> int | None:
-    if gpu_sm is not None:
-        return int(gpu_sm)
-    if isinstance(target, str) and target.lower().startswith("sm") and target[2:].isdigit():
-        return int(target[2:])
-    return None
-
-
 def write_manifest(repo_dir, info: dict) -> Path:
     """Write ``<repo>/manifest.json``: every key of ``info`` plus what verify-deploy needs.
 
-    ``info`` (the package stage's, see pipeline/stages/package.py): ``target`` ("cpu", "sm90", or a
-    target name), ``recipe`` (resolved dict, or {name, hash, resolved}), ``model`` / ``calibration`` /
-    ``evaluation_data`` digests, ``tools`` (dist name -> version; defaults to this environment),
-    ``build`` args, ``metrics``; optional ``gpu_sm`` (int) and ``engine`` (onnxruntime | tensorrt_llm |
-    tensorrt; read from the repository's models when absent). Added: ``engine``, ``hardware``
-    (cpu + machine, or gpu + SM), normalised ``tools``, ``recipe_hash``, ``files`` (sha256 of every file),
-    ``dirs`` (every empty folder: Triton needs a model's version folder ``<model>/1/`` even when it is empty).
+    ``info`` (the package stage's, see pipeline/stages/package.py): ``engine`` (the build target that made it),
+    ``target`` ("cpu", "sm90", or the CUDA hardware text), ``recipe`` (resolved dict, or {name, hash, resolved}),
+    ``model`` / ``calibration`` / ``evaluation_data`` digests, ``tools`` (dist name -> version; defaults to this
+    environment), ``build`` args, ``metrics``; optional ``gpu_sm`` (int). Added: ``hardware`` (what the engine's
+    target records it needs: ``Target.deploy.hardware``), normalised ``tools``, ``recipe_hash``, ``files`` (sha256
+    of every file), ``dirs`` (every empty folder: Triton needs a model's version folder ``<model>/1/`` even when it
+    is empty).
     """
     repo = Path(repo_dir)
     info = dict(info)
-    engine = info.pop("engine", None) or _engine_kind(repo)
-    if engine not in ENGINE_BOUND:
-        raise ForgeError(f"manifest engine {engine!r} is not one of {sorted(ENGINE_BOUND)}")
+    engine = info.pop("engine", None)
+    deploy = engine_deploy(engine)
+    if deploy is None:
+        raise ForgeError(f"manifest engine {engine!r}: not a registered build target (targets: "
+                         f"{', '.join(registry.names())}); the package stage names the target that built the engine")
     env = current_env()
-    target = info.get("target")
-    if engine == "onnxruntime" and isinstance(target, str) and target.startswith("cuda:"):
-        # build.onnxruntime.provider: cuda -- "cuda:sm_90:NVIDIA H200" (pipeline.host.gpu.cuda_hardware)
-        _, sm, name = (target.split(":", 2) + ["", ""])[:3]
-        hardware = {"kind": "gpu", "provider": "cuda", "machine": env["machine"], "gpu": name,
-                    "sm": int(sm[3:]) if sm[3:].isdigit() else None}
-    elif engine == "onnxruntime":
-        # the CPU the engine's evaluation (and so its validation) was measured on; this machine's when not recorded
-        measured = (info.get("metrics") or {}).get("measured_on") or cpu_facts()
-        hardware = {"kind": "cpu", "machine": env["machine"], "validated_isa_class": measured["isa_class"],
-                    "validated_cpu_model": measured.get("cpu_model"), "validated_isa_flags": measured.get("isa_flags")}
-    else:
-        sm = _sm_from(info.get("target"), info.get("gpu_sm"))
-        if sm is None:
-            raise ForgeError(f"manifest for a {engine} engine needs the GPU SM it was built for: set "
-                             "build.tensorrt_llm.gpu_sm (e.g. 90) or build on the GPU; an engine only runs on that architecture")
-        hardware = {"kind": "gpu", "sm": sm}
+    hardware = deploy.hardware(info, env)
     tools = info.get("tools") or env["tools"]
     tools = {tool_label(k): (None if v == "absent" else v) for k, v in tools.items()}
-    for k in BUILD_TOOLS:
-        tools.setdefault(k, None)  # recorded as absent (null), not omitted
+    for k in BUILD_TOOLS + deploy.bound_tools:
+        tools.setdefault(tool_label(k), None)  # recorded as absent (null), not omitted
     recipe = info.get("recipe")
     rhash = info.get("recipe_hash") or (recipe.get("hash") if isinstance(recipe, dict) else None) \
         or (sha256_json(recipe) if recipe is not None else None)
@@ -164,62 +144,37 @@ def read_manifest(repo_dir) -> dict:
     return m
 
 
-def _obj(x) -> dict:
-    return x if isinstance(x, dict) else {}
-
-
-def rebuild_hint(manifest: dict) -> str:
-    """The command that packages the repository again (the recipe named in the manifest, where it says)."""
-    name = _obj(manifest.get("recipe")).get("name") if isinstance(manifest, dict) else None
-    return f"rebuild it with `forge build {name if isinstance(name, str) else 'RECIPE'} --force package`"
 def deploy_warnings(repo_dir, env: dict | None = None) -> list[str]:
-    """What deploying this repository here may change without making it unfit ([] = nothing known).
-
-    A CPU engine validated on another ISA class runs here, but ONNX Runtime's int8 kernels may compute other
-    numbers (pipeline/host/cpu.py); the warning says whether the engine's quantization is known to lose accuracy here.
-    """
+    """What deploying this repository here may change without making it unfit ([] = nothing known): its engine's
+    target says (``Target.deploy.warnings``; a CPU engine validated on another ISA class, say)."""
     m = read_manifest(repo_dir)
-    env = env or current_env()
-    hw = _obj(m.get("hardware"))
-    if m.get("engine") != "onnxruntime" or hw.get("kind") != "cpu":
-        return []
-    built, here = hw.get("validated_isa_class"), env.get("cpu_isa_class")
-    rname = _obj(m.get("recipe")).get("name", "RECIPE")
-    if not built:
-        return [f"manifest.json does not record the CPU ISA class the engine was validated on (packaged before forge "
-                f"recorded it); this CPU is {here}: run `forge build {rname}` here to validate it on this CPU"]
-    if built == here:
-        return []
-    from pipeline.ort.quantize import isa_accuracy_risk
-    quant = _obj(m.get("quantization")) or _obj(_obj(_obj(m.get("recipe")).get("resolved")).get("quantize"))
-    risk = isa_accuracy_risk(quant, here)
-    why = (f"its int8 method is known to lose accuracy here: {risk}" if risk else
-           "its int8 method is not known to lose accuracy here, but its numbers were not measured on this class")
-    return [f"the engine was validated on {built} ({hw.get('validated_cpu_model') or 'unknown CPU'}), this CPU is "
-            f"{here}: ONNX Runtime's int8 kernels differ between the two, {why}; run `forge build {rname}` here "
-            f"to evaluate and validate it on this CPU"]
+    deploy = engine_deploy(m.get("engine"))
+    return deploy.warnings(m, env or current_env()) if deploy is not None else []
 
 
 def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
     """Problems that make this repository unfit for this environment ([] = deployable).
 
-    Checks: the manifest's file digests (a changed, missing or added file), and for GPU targets the
-    TensorRT / TensorRT-LLM versions and the GPU SM the engine was built for.
+    Checks: the manifest's file digests (a changed, missing or added file), the versions of the tools the engine
+    is bound to, and what its target says this host must have (``Target.deploy``: a GPU of the SM it was built
+    for, the CPU architecture, ...).
     """
     repo = Path(repo_dir)
     m = read_manifest(repo)
     env = env or current_env()
     problems = file_problems(repo, m)
-    target = m.get("engine")
-    if not isinstance(target, str) or target not in ENGINE_BOUND:
-        problems.append(f"manifest.json: unknown engine {target!r}; {rebuild_hint(m)}")
+    engine = m.get("engine")
+    deploy = engine_deploy(engine)
+    if deploy is None:
+        problems.append(f"manifest.json: unknown engine {engine!r} (targets: {', '.join(registry.names())}); "
+                        f"{rebuild_hint(m)}")
         return problems
     rname = _obj(m.get("recipe")).get("name", "RECIPE")
     tools_now = env.get("tools", {})
-    for tool in ENGINE_BOUND[target]:
+    for tool in deploy.bound_tools:
         built, now = _obj(m.get("tools")).get(tool), tools_now.get(tool)
         if built is None:
-            problems.append(f"manifest.json records no {tool} version for a {target} engine; rebuild with "
+            problems.append(f"manifest.json records no {tool} version for a {engine} engine; rebuild with "
                             f"`forge build {rname} --force build` where {tool} is installed")
         elif now is None:
             problems.append(f"{tool} is not installed here but the engine was built with {tool} {built}; "
@@ -228,25 +183,4 @@ def verify_deploy(repo_dir, env: dict | None = None) -> list[str]:
             problems.append(f"{tool} {now} here, but the engine was built with {tool} {built} (engines are bound to the "
                             f"exact version); rebuild the engine with {tool} {now} (`forge build {rname} --force build`) "
                             f"or deploy with {tool}=={built}")
-    if target == "onnxruntime":
-        # an ORT-optimised graph (level extended/all) is bound to the ORT release and CPU architecture
-        built, now = _obj(m.get("tools")).get("onnxruntime"), tools_now.get("onnxruntime")
-        if isinstance(built, str) and isinstance(now, str) and built.split(".")[:2] != now.split(".")[:2]:
-            problems.append(f"onnxruntime {now} here, but the engine was optimised with onnxruntime {built}; install "
-                            f"onnxruntime=={built} or rebuild (`forge build {rname} --force build`)")
-        arch = _obj(m.get("hardware")).get("machine")
-        if arch and env.get("machine") and arch != env["machine"]:
-            problems.append(f"the engine was built on {arch}, this machine is {env['machine']}; rebuild it here")
-        if _obj(m.get("hardware")).get("provider") == "cuda" and not env.get("gpu_sms"):
-            problems.append("no NVIDIA GPU found here; the engine was built and validated for ONNX Runtime's CUDA "
-                            f"provider on {_obj(m.get('hardware')).get('gpu') or 'a GPU'}: deploy it on a GPU machine "
-                            "with onnxruntime-gpu")
-    else:
-        sm = _obj(m.get("hardware")).get("sm")
-        sms = env.get("gpu_sms") or []
-        if not sms:
-            problems.append(f"no NVIDIA GPU found here; the {target} engine needs a GPU with SM {sm}")
-        elif sm not in sms:
-            problems.append(f"the engine was built for SM {sm}, this machine's GPUs are SM {sms}; rebuild it here with "
-                            f"`forge build {rname} --set build.tensorrt_llm.gpu_sm={sms[0]}`")
-    return problems
+    return problems + deploy.problems(m, env)

@@ -4,10 +4,13 @@ import json
 from pathlib import Path
 
 import pytest
+
+import pipeline.ort.deploy as ort_deploy
 from rich.console import Console
 
 from pipeline import doctor
 from pipeline.doctor import gpu_findings, render_doctor, run_doctor
+from pipeline.gpu_setup import ort_cpu_pin
 
 DATA = Path(__file__).parent / "data"
 
@@ -94,7 +97,8 @@ HOST_1NODE = {"cpu_model": "test", "logical_cpus": 16, "process_cpus": "0-15", "
 HOST_2NODES = dict(HOST_1NODE, logical_cpus=32, process_cpus="0-31", process_cpu_count=32,
                    numa_nodes={0: "0-15", 1: "16-31"})
 VERSIONS = {"python": "3.11", "torch": "2.9.0", "torch_cuda": "12.8", "transformers": "5.0", "modelopt": "0.47",
-            "onnx": "1.20", "onnxruntime": "1.23", "tensorrt": "10.13", "tensorrt_llm": "1.2.0", "requests": "2"}
+            "onnx": "1.20", "onnxruntime": ort_cpu_pin(), "tensorrt": "10.13", "tensorrt_llm": "1.2.0",
+            "requests": "2"}
 
 
 def msgs(rep, sev=None):
@@ -258,3 +262,29 @@ def test_isa_read_from_proc_cpuinfo_is_flagged():
     host = dict(HOST_1NODE, cpu_isa=dict(AVX2, source="/proc/cpuinfo"))
     w = msgs(run_doctor(FakeNVML([healthy()]), host=host, versions=VERSIONS, quantizations={}), "warning")
     assert len(w) == 1 and "cpuid-native" in w[0]
+
+
+def test_each_target_says_which_tool_it_misses():
+    """`forge doctor` asks the targets (Target.doctor): a GPU target's missing tool is a warning on a GPU host and
+    information on a CPU-only one."""
+    v = {k: x for k, x in VERSIONS.items() if k not in ("tensorrt", "tensorrt_llm")}
+    want = ("tensorrt_llm is not installed: the tensorrt_llm target stops after the checkpoint stage",
+            "tensorrt is not installed: the tensorrt target cannot build engines")
+    gpu = msgs(run_doctor(FakeNVML([healthy()]), host=HOST_1NODE, versions=v, quantizations={}), "warning")
+    cpu = msgs(run_doctor(FakeNVML([], fail_init=True), host=HOST_1NODE, versions=v, quantizations={}), "info")
+    for found in (gpu, cpu):
+        assert all(any(m.startswith(w) for m in found) for w in want), found
+    assert not any("is not installed" in m for m in msgs(run_doctor(FakeNVML([healthy()]), host=HOST_1NODE,
+                                                                     versions=VERSIONS, quantizations={})))
+
+
+def test_onnxruntime_other_than_the_pin_is_a_warning_naming_make_setup(tmp_path):
+    """The onnxruntime version enters every onnxruntime stage's cache key (issue 41): another version than
+    pyproject's pin builds other engines than a fresh clone, so doctor says so; the pin itself is silent."""
+    pin = ort_cpu_pin()
+    rep = run_doctor(FakeNVML([healthy()]), host=HOST_1NODE, versions=dict(VERSIONS, onnxruntime="1.32.0"))
+    found = [m for m in msgs(rep, "warning") if "onnxruntime 1.32.0 is installed" in m]
+    assert len(found) == 1 and f"pins {pin}" in found[0] and "make setup" in found[0]
+    assert ort_deploy.ort_pin_findings(dict(VERSIONS, onnxruntime=pin)) == []
+    # an installed forge without its checkout (no pyproject.toml) has no pin to compare with
+    assert ort_deploy.ort_pin_findings({"onnxruntime": "1.32.0"}, pyproject=tmp_path / "pyproject.toml") == []

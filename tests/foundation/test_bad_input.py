@@ -16,6 +16,9 @@ import pytest
 from pipeline import cli
 from pipeline.recipe import RECIPES_DIR
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # tests/forge_cli.py
+from forge_cli import run_cli  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -24,20 +27,6 @@ def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FORGE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("FORGE_PROGRESS", "0")
     monkeypatch.chdir(tmp_path)                # reports of `build` land under tmp_path/out
-
-
-def run_cli(capsys, monkeypatch, *args) -> tuple[int, str]:
-    """(exit code, stdout + stderr with whitespace collapsed) of one in-process `forge` command."""
-    monkeypatch.setattr(sys, "argv", ["forge", *map(str, args)])
-    monkeypatch.setattr(cli, "DEBUG", False)
-    for c in (cli.console, cli.err):
-        monkeypatch.setattr(c, "width", 400)
-    with pytest.raises(SystemExit) as e:
-        cli.main()
-    out = capsys.readouterr()
-    text = out.out + out.err
-    assert "Traceback" not in text, text
-    return e.value.code, " ".join(text.split())
 
 
 def recipe(dir_: Path, text: str | bytes, name: str = "r") -> Path:
@@ -437,7 +426,7 @@ def test_one_target_one_section_one_spelling(recipe_name, item, expect, capsys, 
 
 def test_inherited_sections_of_another_target_are_not_refused(capsys, monkeypatch):
     """smollm2-135m-trt-int8 extends the onnxruntime FP32 recipe (its build.onnxruntime section) and names
-    build.target tensorrt: the parent's section is dropped, not refused (pipeline/recipe.py _retarget)."""
+    build.target tensorrt: the parent's section is dropped, not refused (pipeline/recipe/extends.py retarget)."""
     code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", "smollm2-135m-trt-int8")
     assert code == 0 and "onnxruntime:" not in out, out
 
@@ -516,3 +505,17 @@ def test_control_characters_in_a_path_are_shown_escaped(make_arg, shown, tmp_pat
     code, out = run_cli(capsys, monkeypatch, "plan", make_arg(tmp_path))
     assert not any(c in out for c in "\x1b\x07\u202e"), ascii(out)
     assert shown in out, ascii(out)
+
+
+@pytest.mark.parametrize("recipe_name, override, expect", [
+    # the onnxruntime target's own rule (Target.checks, pipeline/targets/onnxruntime.py)
+    ("smollm2-135m-int8", "build.onnxruntime.precision=fp16",
+     "build.onnxruntime.precision = 'fp16' needs build.onnxruntime.provider: cuda"),
+    # a recipe of another target: the schema refuses the section, naming the target that reads it
+    ("smollm2-135m-trt-int8", "build.onnxruntime.provider=cuda",
+     "build.onnxruntime: read only by build.target 'onnxruntime'; this recipe builds build.target 'tensorrt'"),
+])
+def test_provider_rules_are_the_onnxruntime_targets(recipe_name, override, expect, capsys, monkeypatch):
+    code, out = run_cli(capsys, monkeypatch, "recipes", "resolve", recipe_name, "--set", override)
+    assert code == 2 and expect in out, out
+    assert out.startswith("recipe error: "), out        # one refusal, not one per rule that reads the section

@@ -120,3 +120,8 @@ def test_ort_quantize_key_holds_calibration_only_for_the_algo_that_reads_it(tmp_
         assert ("calibration" in q.config(a)) is reads, name
         if not reads:
             assert q.data(a, tmp_path) == {}
+    # int4_wo's fitted methods read calibration (E[x^2] / E[x x^T]): their key holds it (issue 41)
+    for method in ("fit", "gptq"):
+        a = resolve("smollm2-135m-int4", [f"quantize.options.method={method}"])
+        b = resolve("smollm2-135m-int4", [f"quantize.options.method={method}", "quantize.calibration.samples=16"])
+        assert q.config(a) != q.config(b) and "calibration" in q.config(a), method

@@ -1,11 +1,14 @@
-"""A build target registered from this file alone (issue 25): its own build section, quantizer options, a three-stage
-flow of trivial stages and CPU hardware, built end to end through the real CLI and Runner with a throw-away
-FORGE_HOME. Nothing outside this file knows it: that is the proof that a target owns its facts
-(pipeline/target_registry.py, docs/architecture.md "Adding a build target")."""
+"""A build target registered from this file alone (issues 25 and 39): its own build section, quantizer options, a
+seven-stage flow (source -> export -> quantize -> build -> evaluate -> forge's own validate -> package, whose
+manifest is forge's), CPU hardware, what its engine needs where it is deployed, and what `forge doctor` checks for
+it. It is built end to end through the real CLI and Runner with a throw-away FORGE_HOME, and its package passes or
+fails `forge verify-deploy` as its target says. Nothing outside this file knows it: that is the proof that a target
+owns its facts (pipeline/target_registry.py, docs/architecture.md "Adding a build target")."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import sys
 
@@ -13,15 +16,19 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline import targets
+from pipeline.deploy import Deploy, finding, machine_problems
 from pipeline.hardware import Hardware
 from pipeline.recipe import Section
 from pipeline.stages.base import Stage
+from pipeline.stages.package import PackageStage
+from pipeline.stages.validate import ValidateStage
 from test_bad_input import run_cli      # tests/foundation/test_bad_input.py
 
 
 class ToyBuild(Section):                      # build.toy
     width: int = Field(4, ge=1, le=64)
     label: str = "toy"
+    lanes: int = Field(1, ge=1, le=4096, description="logical CPUs a host needs to serve the engine")
 
 
 class ToyRoundOptions(BaseModel):             # quantize.options of algo toy_round
@@ -33,61 +40,110 @@ class NoToyOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-RUNS: list[str] = []                          # stage names in the order they ran (a cache hit does not run)
+RUNS: list[str] = []                          # toy stage names in the order they ran (a cache hit does not run)
 
 
-class ToyMake(Stage):
-    name = "make"
-    section = "build.toy"                    # its key: the whole build.toy section
-
+class ToyStage(Stage):
     def hardware(self, r):
         return Hardware.cpu("toy-cpu")
+
+
+def _values(path) -> list[float]:
+    return json.loads((path / "values.json").read_text())
+
+
+def _write_values(ctx, values) -> None:
+    (ctx.out / "values.json").write_text(json.dumps(values))
+
+
+class ToySource(ToyStage):
+    """The toy's model: ``width`` values, recorded as a source stage records one (source.json)."""
+    name = "source"
+
+    def config(self, r):
+        return {"width": r.build.toy.width}
 
     def run(self, ctx):
         RUNS.append(self.name)
-        b = ctx.recipe.build.toy
-        values = [i / 3 for i in range(b.width)]
-        (ctx.out / "values.json").write_text(json.dumps(values))
+        values = [i / 3 for i in range(ctx.recipe.build.toy.width)]
+        _write_values(ctx, values)
+        digest = hashlib.sha256(json.dumps(values).encode()).hexdigest()
+        (ctx.out / "source.json").write_text(json.dumps({"spec": "toy:thirds", "kind": "toy", "digest": digest}))
         return {"n": len(values)}
 
 
-class ToyQuantize(Stage):
+class ToyExport(ToyStage):
+    name = "export"
+    needs = ("source",)
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        _write_values(ctx, _values(ctx.inputs["source"]))
+        return {}
+
+
+class ToyQuantize(ToyStage):
     name = "quantize"
-    needs = ("make",)
+    needs = ("export",)
 
     def config(self, r):
         return {"algo": r.quantize.algo, "options": r.quantize.options}
-
-    def hardware(self, r):
-        return Hardware.cpu("toy-cpu")
 
     def run(self, ctx):
         RUNS.append(self.name)
         opts = targets.get("toy").quantize_options(ctx.recipe.quantize)     # the typed model, defaults filled
         assert isinstance(opts, ToyRoundOptions)
-        values = json.loads((ctx.inputs["make"] / "values.json").read_text())
+        values = _values(ctx.inputs["export"])
         q = [round(v / opts.step) * opts.step for v in values]
-        (ctx.out / "values.json").write_text(json.dumps(q))
+        _write_values(ctx, q)
         return {"step": opts.step, "max_err": max(abs(a - b) for a, b in zip(values, q))}
 
 
-class ToyPackage(Stage):
-    name = "package"
-    out_link = "triton_repo"        # forge build links out/<recipe>/triton_repo here
+class ToyBuildStage(ToyStage):
+    name = "build"
     needs = ("quantize",)
-    hands_off = True
+    section = "build.toy"                    # its key: the whole build.toy section
+    out_link = "engine"
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        _write_values(ctx, _values(ctx.inputs["quantize"]))
+        (ctx.out / "label.txt").write_text(ctx.recipe.build.toy.label)
+        return {}
+
+
+class ToyEvaluate(ToyStage):
+    """The engine's values against the source's, in the metrics forge's validate stage gates."""
+    name = "evaluate"
+    needs = ("build", "source")
 
     def config(self, r):
-        return {"label": r.build.toy.label}
+        return {}
+
+    def run(self, ctx):
+        RUNS.append(self.name)
+        ref, got = _values(ctx.inputs["source"]), _values(ctx.inputs["build"])
+        metrics = {"subject": "toy engine",
+                   "ppl_delta_pct": 100 * sum(abs(a - b) for a, b in zip(ref, got)) / sum(ref),
+                   "top1_agreement": sum(round(a) == round(b) for a, b in zip(ref, got)) / len(ref)}
+        (ctx.out / "metrics.json").write_text(json.dumps(metrics))
+        return metrics
+
+
+class ToyPackage(PackageStage):
+    """forge's package stage (its manifest included): the toy writes only its repository."""
 
     def hardware(self, r):
         return Hardware.cpu("toy-cpu")
 
-    def run(self, ctx):
+    def write_repository(self, ctx, evaluation):
         RUNS.append(self.name)
-        (ctx.out / "MANIFEST").write_text(ctx.recipe.build.toy.label + "\n"
-                                          + (ctx.inputs["quantize"] / "values.json").read_text())
-        return {"packaged": True}
+        model = ctx.out / "toy_model"
+        (model / "1").mkdir(parents=True)
+        (model / "1" / "values.json").write_text((ctx.inputs["build"] / "values.json").read_text())
+        b = ctx.recipe.build.toy
+        (model / "config.pbtxt").write_text(f'name: "toy_model"\nbackend: "python"\n# {b.label}\n')
+        return None, "cpu", {"label": b.label, "lanes": b.lanes}
 
 
 def toy_checks(r) -> list[str]:
@@ -97,11 +153,31 @@ def toy_checks(r) -> list[str]:
     return []
 
 
+# ---- what the toy engine needs where it is deployed (pipeline/deploy.py), and what `forge doctor` checks for it
+def toy_hardware(info, env) -> dict:
+    return {"kind": "cpu", "machine": env["machine"], "lanes": info["build"]["lanes"]}
+
+
+def toy_problems(m, env) -> list[str]:
+    lanes, cpus = m["hardware"]["lanes"], env["logical_cpus"]
+    return machine_problems(m, env) + ([f"the toy engine needs {lanes} logical CPUs, this host has {cpus}: serve it "
+                                        f"on a larger host or rebuild with build.toy.lanes <= {cpus}"]
+                                       if lanes > cpus else [])
+
+
+def toy_doctor(facts) -> list[dict]:
+    return [finding("info", f"toy target: {len(facts['recipes'])} shipped recipes build it",
+                    "nothing to fix (tests/foundation/test_toy_target.py registers it)")]
+
+
 TOY = targets.Target(name="toy", section=ToyBuild,
                      quantizers={"none": targets.Quantizer(NoToyOptions),
                                  "toy_round": targets.Quantizer(ToyRoundOptions)},
-                     flow=(ToyMake, ToyQuantize, ToyPackage), summary="a toy target (tests only)",
-                     checks=toy_checks)
+                     flow=(ToySource, ToyExport, ToyQuantize, ToyBuildStage, ToyEvaluate, ValidateStage, ToyPackage),
+                     summary="a toy target (tests only)", checks=toy_checks,
+                     deploy=Deploy(bound_tools=("pydantic",), hardware=toy_hardware, problems=toy_problems),
+                     doctor=toy_doctor)
+TOY_STAGES = ["source", "export", "quantize", "build", "evaluate", "package"]     # validate is forge's, not RUNS'
 
 
 @pytest.fixture
@@ -131,6 +207,8 @@ build:
 quantize:
   algo: toy_round
   options: {step: 0.25}
+validate:
+  thresholds: {ppl_delta_pct_max: 10.0, top1_agreement_min: 0.7}
 """
 
 
@@ -139,29 +217,93 @@ def test_a_toy_target_builds_end_to_end_and_hits_the_cache_on_rerun(toy, capsys,
     reports = toy / "out"
     code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", reports)
     assert code == 0, out
-    assert RUNS == ["make", "quantize", "package"]
+    assert RUNS == TOY_STAGES
     report = json.loads((reports / "toy-recipe" / "report.json").read_text())
     assert report["target"] == "toy"
     stages = {s["name"]: s for s in report["stages"]}
-    assert list(stages) == ["make", "quantize", "package"]
+    assert list(stages) == ["source", "export", "quantize", "build", "evaluate", "validate", "package"]
     assert stages["quantize"]["metrics"]["step"] == 0.25          # the option as written, typed
     assert stages["quantize"]["metrics"]["max_err"] == pytest.approx(1 / 12)   # 1/3 rounded to 0.25 steps
-    manifest = (reports / "toy-recipe" / "triton_repo" / "MANIFEST").read_text()
-    assert manifest.splitlines()[0] == "hello"
-    assert json.loads(manifest.splitlines()[1]) == [0.0, 0.25, 0.75, 1.0, 1.25, 1.75, 2.0]
-    assert len(list((toy / "home").rglob("values.json"))) == 2     # the cache is the throw-away FORGE_HOME's
+    # forge's validate gated the toy's metrics: 4 of 7 values off by 1/12, sum of the values 7
+    gates = {g["name"]: g for g in stages["validate"]["metrics"]["gates"]}
+    assert gates["ppl_delta_pct"]["value"] == pytest.approx(100 * (4 / 12) / 7) and gates["ppl_delta_pct"]["passed"]
+    assert gates["top1_agreement"]["value"] == 1.0
+    repo = reports / "toy-recipe" / "triton_repo"
+    assert json.loads((repo / "toy_model" / "1" / "values.json").read_text()) == [0.0, 0.25, 0.75, 1.0, 1.25, 1.75, 2.0]
+    assert len(list((toy / "home").rglob("values.json"))) == 5     # the cache is the throw-away FORGE_HOME's
+
+    # forge's manifest, with what the toy target says its engine is bound to and needs
+    m = json.loads((repo / "manifest.json").read_text())
+    assert m["engine"] == "toy" and m["target"] == "cpu" and m["build"] == {"label": "hello", "lanes": 1}
+    assert m["hardware"]["kind"] == "cpu" and m["hardware"]["lanes"] == 1
+    assert m["tools"]["pydantic"] == __import__("pydantic").VERSION       # the toy's bound tool, recorded
+    assert m["model"] == {"source": "toy:thirds", "kind": "toy", "digest": m["model"]["digest"]}
+    assert set(m["files"]) == {"toy_model/config.pbtxt", "toy_model/1/values.json"}
+    code, out = forge(capsys, monkeypatch, "verify-deploy", repo)
+    assert code == 0, out
+    assert "manifest matches this environment" in out
 
     RUNS.clear()
     code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", reports)
     assert code == 0, out
     assert RUNS == []                                               # every stage a cache hit
     assert [s["status"] for s in json.loads((reports / "toy-recipe" / "report.json").read_text())["stages"]] \
-        == ["hit"] * 3
+        == ["hit"] * 7
 
-    # an option the key reads: only quantize and package rebuild
+    # an option the key reads: what follows quantize rebuilds, the rest hits
     code, out = forge(capsys, monkeypatch, "build", p, "--set", "quantize.options.step=0.5", "--report-dir", reports)
     assert code == 0, out
-    assert RUNS == ["quantize", "package"]
+    assert RUNS == ["quantize", "build", "evaluate", "package"]
+
+
+def test_the_toy_target_decides_where_its_package_deploys(toy, capsys, monkeypatch):
+    """verify-deploy asks the toy target: its bound tool's version, and the CPUs its engine needs."""
+    import os
+
+    from pipeline.triton.manifest import current_env, verify_deploy
+    p = recipe(toy, TOY_RECIPE)
+    reports = toy / "out"
+    repo = reports / "toy-recipe" / "triton_repo"
+    lanes = (os.cpu_count() or 1) + 1
+    code, out = forge(capsys, monkeypatch, "build", p, "--set", f"build.toy.lanes={lanes}", "--report-dir", reports)
+    assert code == 0, out
+    code, out = forge(capsys, monkeypatch, "verify-deploy", repo)
+    assert code == 1, out
+    assert (f"the toy engine needs {lanes} logical CPUs, this host has {os.cpu_count()}: serve it on a larger host "
+            f"or rebuild with build.toy.lanes <= {os.cpu_count()}") in out
+    assert verify_deploy(repo, {**current_env(), "logical_cpus": lanes}) == []
+    other = {**current_env(), "logical_cpus": lanes}
+    other["tools"] = {**other["tools"], "pydantic": "1.0"}
+    assert verify_deploy(repo, other) == [
+        f"pydantic 1.0 here, but the engine was built with pydantic {__import__('pydantic').VERSION} (engines are bound "
+        "to the exact version); rebuild the engine with pydantic 1.0 (`forge build toy-recipe --force build`) or "
+        f"deploy with pydantic=={__import__('pydantic').VERSION}"]
+    # only build (its section changed, its bytes did not) and package (the recipe it records) ran again
+    RUNS.clear()
+    code, out = forge(capsys, monkeypatch, "build", p, "--report-dir", reports)
+    assert code == 0, out
+    assert RUNS == ["build", "package"]
+    code, out = forge(capsys, monkeypatch, "verify-deploy", repo)
+    assert code == 0, out
+
+
+def test_a_toy_engine_that_misses_its_gates_is_not_packaged(toy, capsys, monkeypatch):
+    p = recipe(toy, TOY_RECIPE)
+    code, out = forge(capsys, monkeypatch, "build", p, "--set", "quantize.options.step=2.0", "--report-dir",
+                      toy / "out")
+    assert code == 1, out
+    assert "validation failed for toy engine" in out and "validate.thresholds.top1_agreement_min" in out
+    assert RUNS == ["source", "export", "quantize", "build", "evaluate"]
+
+
+def test_forge_doctor_asks_the_toy_target(toy):
+    from pipeline.doctor import run_doctor
+    from pipeline.recipe import resolve
+    r = resolve(str(recipe(toy, TOY_RECIPE)))
+    rep = run_doctor(object(), host={}, versions={}, smi_topo=None, ort_cuda={"problem": None}, quantizations={},
+                     recipes=[r])
+    assert {"severity": "info", "message": "toy target: 1 shipped recipes build it",
+            "fix": "nothing to fix (tests/foundation/test_toy_target.py registers it)"} in rep["findings"]
 
 
 def test_the_option_default_is_the_models(toy, capsys, monkeypatch):
@@ -191,7 +333,7 @@ def test_the_option_default_is_the_models(toy, capsys, monkeypatch):
     # the target's own cross-section rule
     (TOY_RECIPE.replace("width: 7", "width: 1"), ["build.toy.width = 1: toy_round needs at least 2 values"]),
     # a threshold only another target's stages produce
-    (TOY_RECIPE + "validate: {thresholds: {simulated_ppl_gap_max: 1.0}}\n",
+    (TOY_RECIPE.replace("top1_agreement_min: 0.7}", "top1_agreement_min: 0.7, simulated_ppl_gap_max: 1.0}"),
      ["validate.thresholds.simulated_ppl_gap_max gates a metric only build.target tensorrt_llm produces; remove it "
       "for 'toy'"]),
     # an unknown target: the message lists the registered ones, the toy included
@@ -219,12 +361,13 @@ def test_the_toy_stages_hardware_is_in_their_keys(toy):
     from pipeline.runner import Runner
     r = resolve(str(recipe(toy, TOY_RECIPE)))
     hw = targets.get("toy").hardware(r)
-    assert hw == {"make": "cpu:toy-cpu", "quantize": "cpu:toy-cpu", "package": "cpu:toy-cpu"}
-    assert all(h.kind == "cpu" and not h.on_gpu for h in hw.values())
+    assert hw == {**{s: "cpu:toy-cpu" for s in TOY_STAGES}, "validate": "any"}
+    assert all(not h.on_gpu for h in hw.values())
     plan = Runner(r).plan()
-    assert [p.name for p in plan] == ["make", "quantize", "package"]
+    assert [p.name for p in plan] == ["source", "export", "quantize", "build", "evaluate", "validate", "package"]
     assert plan[0].components["hardware"] == "cpu:toy-cpu"
-    assert plan[0].components["config"] == {"width": 7, "label": "hello"}     # the whole build.toy section
+    assert plan[0].components["config"] == {"width": 7}
+    assert ToyBuildStage().config(r) == {"width": 7, "label": "hello", "lanes": 1}     # the whole build.toy section
 
 
 def test_registry_errors_name_the_registered_targets(toy):
@@ -239,7 +382,7 @@ def test_registry_errors_name_the_registered_targets(toy):
 
 
 def test_the_schema_imports_no_target_code_until_it_is_asked():
-    """recipe.py sits below the targets: importing it loads the registry only; the built-in targets (and the stages
+    """pipeline/recipe/ sits below the targets: importing it loads the registry only; the built-in targets (and the stages
     they import) load the first time the registry is read."""
     import subprocess
     code = ("import sys, pipeline.recipe as r; before = 'pipeline.stages' in sys.modules; "

@@ -10,8 +10,7 @@ from pipeline.errors import ForgeError
 from pipeline.hashing import tree_digest
 from pipeline.ort.engine import OrtEngine
 from pipeline.recipe_options import TensorrtFp8Options, TensorrtInt8Options
-from pipeline.tensorrt.quantize import (TRT_UNPARSABLE, module_of, quantize_for_tensorrt, resolve_options,
-                                        weight_matmuls)
+from pipeline.tensorrt.quantize import TRT_UNPARSABLE, module_of, quantize_for_tensorrt, weight_matmuls
 
 
 def _graph(d):
@@ -124,16 +123,26 @@ def test_weight_matmuls_are_the_linear_layers(tiny_export):
 
 
 def test_options_resolve_per_algo_and_name_bad_keys():
-    assert resolve_options("int8", {}).exclude == ["*.mlp.down_proj"]
-    assert resolve_options("int8", {"smoothquant_alpha": 0.3}).smoothquant_alpha == 0.3
-    assert resolve_options("int8", {"smoothquant_alpha": None}).smoothquant_alpha is None
-    assert resolve_options("fp8", {}).calibration_method == "max" and resolve_options("fp8", {}).smoothquant_alpha is None
-    with pytest.raises(ForgeError, match=r"quantize.options.smoothquant_alpah: Extra inputs are not permitted"):
-        resolve_options("int8", {"smoothquant_alpah": 0.3})
-    with pytest.raises(ForgeError, match=r"quantize.options.calibration_method"):
-        resolve_options("fp8", {"calibration_method": "percentile"})
-    with pytest.raises(ForgeError, match="do not apply to quantize.algo 'none'"):
-        resolve_options("none", {"exclude": ["x"]})
+    """The tensorrt target's quantizers (pipeline/tensorrt/quantize.py QUANTIZERS): the recipe validates their
+    options once, the stage receives the typed model with its defaults."""
+    from pipeline.errors import RecipeError
+    from pipeline.recipe import resolve
+    from pipeline.stages.common import quantize_options
+
+    def opts(algo, *sets):
+        return quantize_options(resolve("smollm2-135m-trt-int8", [f"quantize.algo={algo}", *sets]))
+    assert opts("int8").exclude == ["*.mlp.down_proj"]
+    assert opts("int8", "quantize.options.smoothquant_alpha=0.3").smoothquant_alpha == 0.3
+    assert opts("int8", "quantize.options.smoothquant_alpha=null").smoothquant_alpha is None
+    assert opts("fp8").calibration_method == "max" and opts("fp8").smoothquant_alpha is None
+    for sets, match in ((["quantize.algo=int8", "quantize.options.smoothquant_alpah=0.3"],
+                         r"quantize.options.smoothquant_alpah: unknown key; did you mean 'quantize.options.smoothq"),
+                        (["quantize.algo=fp8", "quantize.options.calibration_method=percentile"],
+                         r"quantize.options.calibration_method: 'percentile' is not allowed"),
+                        (["quantize.method=none", "quantize.algo=none", "quantize.options.exclude=[x]"],
+                         r"quantize.options.exclude: unknown key \(no key is allowed here\)")):
+        with pytest.raises(RecipeError, match=match):
+            resolve("smollm2-135m-trt-int8", sets)
 
 
 def test_needs_calibration_and_a_known_precision(tiny_export, tmp_path):

@@ -1,6 +1,7 @@
 """GPU memory planner: what one TP/PP rank of a TensorRT-LLM engine needs, and whether it fits a GPU.
 
-Per rank (the worst pipeline stage):
+Per rank (the worst pipeline stage), in the order TensorRT-LLM 1.2's executor allocates it
+(docs/trtllm-memory.md lists every term with its formula and upstream source):
 
 * weights, by dtype / quantization algorithm: the decoder linears are split across TP ranks (column /
   row parallel; KV heads are *duplicated* when tp > num_kv_heads); embedding and lm_head stay in the
@@ -10,23 +11,32 @@ Per rank (the worst pipeline stage):
   ``use_parallel_embedding: True``, ``embedding_sharding_dim: 0``: modelopt/torch/export/tensorrt_llm_utils.py,
   and ``plan_for_recipe`` plans it so); quantization scales are counted (per-channel
   scales, AWQ group scales and pre-quant smoothing vectors).
-* KV cache = layers x kv_heads x head_dim x 2 (K and V) x tokens x bytes(kv dtype), for
-  ``max_batch_size x max_seq_len`` tokens, and rounded up to whole paged blocks of ``tokens_per_block``.
-* activations / workspace: one layer's live tensors for ``max_num_tokens`` packed tokens, plus a fixed
-  runtime overhead (CUDA context, cuBLAS workspace, NCCL buffers when tp > 1). This is an estimate; TensorRT
-  reports the exact activation size only after building the engine.
-* runtime buffers the batch manager allocates that scale with the model (:func:`runtime_buffers`, each with
-  its TensorRT-LLM source line; docs/trtllm-memory.md): the logits buffer, ``[max_num_tokens,
-  vocabSizePadded]`` of ``logits_dtype`` when the engine gathers context logits, ``[max_batch_size x
-  max_beam_width, vocabSizePadded]`` when it does not; then the decoder's buffers (output / parent ids, log
-  probs, embedding bias, cache indirection, per-slot buffers), the sampling layers' workspaces (runtime logits,
-  penalties, top-P sort) and, when tp > 1, the custom all-reduce workspace.
-* KV pool headroom: TensorRT-LLM gives the paged KV pool ``kv_cache_free_gpu_mem_fraction`` of the memory free
-  after everything above, so the worst case needs ``kv / fraction`` free, ``kv x (1 / fraction - 1)`` beyond the pool.
+* activations: the engine's execution-context memory, allocated once when the engine loads. The larger of
+  one decoder layer's live tensors for ``max_num_tokens`` packed tokens (an estimate: TensorRT reports the
+  exact size only after a build) and the lm_head's all-gather (:func:`lm_head_activation`, counted from the
+  network TensorRT-LLM builds: the local ``[rows, V/tp]`` output and the gathered ``[tp x rows, V/tp]`` are alive
+  together; rows = ``max_num_tokens`` for an engine built with ``--gather_context_logits``).
+* start-up runtime buffers (:func:`runtime_buffers`, ``when == "start-up"``): the logits buffer at its start-up
+  size ``[max_batch_size x max_beam_width, vocabSizePadded]``, the decoder's buffers, the sampling layers'
+  workspaces and, when tp > 1, the custom all-reduce workspace; plus a fixed runtime overhead (CUDA context,
+  cuBLAS workspaces).
+* the paged KV pool: layers x kv_heads x head_dim x 2 (K and V) x tokens x bytes(kv dtype), for
+  ``max_batch_size x max_seq_len`` tokens (a sliding-window layer: its window), in whole blocks of
+  ``tokens_per_block``. TensorRT-LLM sizes it from the memory free *after* everything above:
+  ``min(max_tokens_in_paged_kv_cache, kv_cache_free_gpu_mem_fraction x free)``.
+* per-step buffers allocated *after* the KV pool (``when == "per step"``): the context-logits buffer of an engine
+  that gathers context logits (``[max_num_tokens, vocabSizePadded]`` per step, two alive across a step) and
+  NCCL's connection buffers (connected at the first collective). They live in what the pool leaves.
+
+The pool rule decides the total: forge caps the pool at what the recipe needs (:func:`kv_cache_max_tokens`,
+written as ``max_tokens_in_paged_kv_cache`` into the Triton config and the evaluate runtime), so the per-step
+buffers get ``free - kv``: total = early + kv + max(kv x (1 / fraction - 1), per-step). TensorRT-LLM 1.2 ignores
+the cap for an engine with more than one attention-window size (Gemma 3), whose pool always takes the fraction:
+total = early + max(pool need / fraction, per-step / (1 - fraction)).
 
 ``fit(plan, gpu)`` compares the total with a GPU from :mod:`pipeline.gpus` and, when it does not fit,
 says which ``max_batch_size`` / ``max_seq_len`` / ``max_num_tokens`` / ``kv_cache`` dtype / ``tp`` /
-``quant_algo`` would.
+``quant_algo`` / ``kv_cache_free_gpu_mem_fraction`` would.
 """
 
 from __future__ import annotations
@@ -36,9 +46,10 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import ForgeError
-from .gpus import GiB, GpuSpec
-from .modelinfo import ModelInfo
+from ..errors import ForgeError
+from ..gpus import GiB, GpuSpec
+from ..modelinfo import ModelInfo
+from .quantizers import DEFAULT_GROUP, QUANTIZERS
 
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2}
 KV_BYTES = {"fp32": 4, "float32": 4, "fp16": 2, "float16": 2, "bf16": 2, "bfloat16": 2, "int8": 1, "fp8": 1}
@@ -54,7 +65,9 @@ QUANT_ALGOS = {
     "int8_wo": (8, "INT8 weight-only (per-channel scales)"),
     "int4_wo": (4, "INT4 weight-only (per-channel scales)"),
     "int4_awq": (4, "INT4 AWQ (group scales, pre-quant smoothing vectors)"),
+    "int4_zp": (4, "INT4 with zero points (group scales and zeros)"),
     "fp8": (8, "FP8 E4M3 (per-tensor scales)"),
+    "fp8_pc_pt": (8, "FP8 E4M3 rowwise (per-channel weight scales, per-token activation scales)"),
 }
 
 # Where each planner argument lives in a recipe (used in suggestions so a user can --set it).
@@ -77,8 +90,8 @@ RECIPE_KEYS = {
 
 DEFAULT_MAX_NUM_TOKENS = 8192          # trtllm-build's default
 DEFAULT_RUNTIME_OVERHEAD = 1 * GiB     # CUDA context + cuBLAS/cuBLASLt workspaces (measured 0.5-1 GiB)
-NCCL_OVERHEAD = GiB // 4               # NCCL buffers / all-reduce workspace per rank when tp > 1
 LOGITS_BYTES = {"float16": 2, "float32": 4}
+_CANONICAL_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 # TensorRT-LLM source the runtime-buffer sizes are read from (the 1.x batch manager; the index returned these
 # commits, the 1.2.1 tag's commit could not be resolved: shared/docs/trtllm-reference.md section 0). One home:
@@ -102,8 +115,45 @@ TRTLLM_SOURCES = {
                             "14e801da3632eb71367b847e335c4f2b09098651"),
     "ipcUtils": ("cpp/tensorrt_llm/runtime/ipcUtils.cpp", "03961722f65265573cad179baca3bc5fe8c03f76"),
     "customAllReduceUtils": ("cpp/tensorrt_llm/common/customAllReduceUtils.h", "index id 4968478518"),
-    "kvCacheManager": ("cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp", "index id 1277673704"),
+    # 1.2.0rc2 (tensorrt_llm/version.py @ b35ac1b6): calculateFreeMemBytes, and calculateMaxNumBlocks taking
+    # min(maxTokens, fraction x free) except with more than one attention-window size ("VSWA")
+    "kvCacheManager": ("cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp",
+                       "b35ac1b64368513d215c57d2ed01d62d910df8da"),
+    # the 1.2.0rc2 executor: constructor order (TllmRuntime, createBuffers, createDecoder, calculateFreeMemBytes),
+    # and per step executeStep -> prepareBuffers -> RuntimeBuffers::prepareStep before decoderStepAsync
+    "trtGptModelStep": ("cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp",
+                        "b35ac1b64368513d215c57d2ed01d62d910df8da"),
+    "handleContextLogits": ("cpp/tensorrt_llm/batch_manager/handleContextLogits.cpp",
+                            "b35ac1b64368513d215c57d2ed01d62d910df8da"),
+    "bufferView": ("cpp/tensorrt_llm/runtime/bufferView.h", "65b31db1b401d3752b8ebe7c29093cbfb6af04b7"),
+    "tllmRuntime": ("cpp/tensorrt_llm/runtime/tllmRuntime.cpp", "0165bd7ac275dae69796767cdbb71ce1963506f3"),
+    # the network trtllm-build compiles: lm_head, its all-gather and the logits output
+    "llamaModel": ("tensorrt_llm/models/llama/model.py", "2340c776201e4dba9aa625b8615e3e6ca9d7a7f6"),
+    "modelingUtils": ("tensorrt_llm/models/modeling_utils.py", "b35ac1b64368513d215c57d2ed01d62d910df8da"),
+    "generationMixin": ("tensorrt_llm/models/generation_mixin.py", "03ec464e2179899bff818504d30279113bbdd617"),
+    "linear": ("tensorrt_llm/layers/linear.py", "03961722f65265573cad179baca3bc5fe8c03f76"),
+    "functional": ("tensorrt_llm/functional.py", "0071496dc625910229bf433821453636ef3770eb"),
+    "network": ("tensorrt_llm/network.py", "7b437aaa73bf5a44b1102aee5c631074da763b8f"),
+    "allgatherPlugin": ("cpp/tensorrt_llm/plugins/ncclPlugin/allgatherPlugin.cpp",
+                        "14e801da3632eb71367b847e335c4f2b09098651"),
+    # which NCCL 1.2 runs: "nvidia-nccl-cu13" (its 25.08 base container: 2.27.7)
+    "requirements": ("requirements.txt", "b35ac1b64368513d215c57d2ed01d62d910df8da"),
+    "modelInstanceState": ("triton_backend/inflight_batcher_llm/src/model_instance_state.cc",
+                           "c8c6df08bd0ead54cd47f7973e1e425c28a174cd"),
 }
+
+# NVIDIA/nccl v2.27.7-1 (the NCCL of TensorRT-LLM 1.2's base container; TRTLLM_SOURCES["requirements"])
+NCCL_SOURCES = {
+    "init": ("src/init.cc", "593de54e52679b51428571c13271e2ea9f91b1b1"),
+    "device": ("src/include/device.h", "593de54e52679b51428571c13271e2ea9f91b1b1"),
+    "connect": ("src/graph/connect.cc", "593de54e52679b51428571c13271e2ea9f91b1b1"),
+}
+# Per connection and channel, one buffer per protocol (init.cc computeBuffSizes, defaults; device.h constants):
+# LL = NCCL_LL_LINES_PER_THREAD 8 x NCCL_LL_MAX_NTHREADS 512 x NCCL_STEPS 8 x sizeof(ncclLLFifoLine) 16,
+# LL128 = NCCL_LL128_ELEMS_PER_THREAD 120 x NCCL_LL128_MAX_NTHREADS 640 x NCCL_STEPS 8 x 8, Simple = 1 << 22.
+NCCL_CONNECTION_BYTES = 8 * 512 * 8 * 16 + 120 * 640 * 8 * 8 + (1 << 22)          # 9,633,792
+# connect.cc ncclTopoPostset: "nChannels = comm->nChannels = std::min(MAXCHANNELS,nChannels*2)", device.h MAXCHANNELS
+NCCL_MAX_CHANNELS = 64
 
 IPC_ALIGN = 1 << 21            # ipcUtils.cpp IpcMemory::allocateIpcMemory: common::alignSize(bufferSize, 1LU << 21)
 
@@ -118,42 +168,64 @@ def vocab_size_padded(vocab: int, world_size: int) -> int:
     return (vocab + world_size - 1) // world_size * world_size
 
 
+STARTUP, PER_STEP = "start-up", "per step"      # allocated before the KV pool is sized / after it, every step
+
+
+def _src(key: str, ident: str, sources: dict | None = None) -> str:
+    path, commit = (sources or TRTLLM_SOURCES)[key]
+    return f"{path} @ {commit}: {ident}"
+
+
 def runtime_buffers(info: ModelInfo, *, tp: int, pp: int, max_batch_size: int, max_beam_width: int,
                     max_num_tokens: int, gather_context_logits: bool, logits_dtype: str,
                     max_seq_len: int | None = None) -> list[dict]:
-    """The batch manager's buffers that scale with the model, on the rank that holds them (the last pipeline
-    rank for logits and the decoder), each with the source line its size comes from. The first entry is the
-    logits buffer; with ``max_seq_len`` the decoder / sampling / all-reduce buffers follow (docs/trtllm-memory.md
-    lists each with its formula and commit)."""
+    """The runtime's buffers that scale with the model, on the rank that holds them (the last pipeline rank for
+    logits and the decoder), each with the source line its size comes from and ``when`` it is allocated:
+    ``"start-up"`` (before the KV pool takes its share of the free memory) or ``"per step"`` (after it).
+
+    The first entry is the logits buffer at its start-up size; an engine that gathers context logits adds the
+    per-step context-logits buffers; with ``max_seq_len`` the decoder / sampling / all-reduce buffers follow, and
+    NCCL's connection buffers when tp > 1 (docs/trtllm-memory.md lists each with its formula and commit)."""
     if logits_dtype not in LOGITS_BYTES:
         raise ForgeError(f"unknown logits_dtype {logits_dtype!r} (recipe key build.tensorrt_llm.logits_dtype): "
                          f"valid values are float16, float32")
     vp = vocab_size_padded(info.vocab_size, tp * pp)
     lb = LOGITS_BYTES[logits_dtype]
+    # The RuntimeBuffers constructor calls setMaxBufferSizes (numLogits = maxBatchSize * max(1 + maxDraftTokens,
+    # maxBeamWidth)) and then reshape with no context request: logits->reshape({numLogits, vocabSizePadded}).
+    rows = max_batch_size * max_beam_width
+    out = [{"name": "logits (start-up)", "shape": "[max_batch_size x max_beam_width, vocabSizePadded]", "rows": rows,
+            "vocab_size_padded": vp, "dtype": logits_dtype, "bytes": rows * vp * lb, "when": STARTUP,
+            "source": _src("runtimeBuffers", "RuntimeBuffers::RuntimeBuffers setMaxBufferSizes; reshape; "
+                           "setMaxBufferSizes: numLogits = maxBatchSize * std::max(1 + maxDraftTokens, maxBeamWidth)")}]
     if gather_context_logits:
-        # RuntimeBuffers::reshape re-allocates `logits` as [numContextTokens + numGenSequences, vocabSizePadded]
-        # when computeContextLogits(); the MicroBatchScheduler keeps batchNumTokens (context chunk tokens +
-        # generation tokens) <= maxNumTokens, so max_num_tokens rows is the largest it gets.
-        rows, shape = max_num_tokens, "[max_num_tokens, vocabSizePadded]"
-        src = ("runtimeBuffers.cpp RuntimeBuffers::reshape: logits = manager.gpu(ITensor::makeShape("
-               "{numContextTokens + numGenSequences, vocabSizePadded}), logitsType); microBatchScheduler.cpp: "
-               "batchNumTokens + reqNumTokens > maxNumTokensRuntime -> break")
-    else:
-        # RuntimeBuffers::setMaxBufferSizes: numLogits = maxBatchSize * max(1 + maxDraftTokens, maxBeamWidth)
-        rows, shape = max_batch_size * max_beam_width, "[max_batch_size x max_beam_width, vocabSizePadded]"
-        src = ("runtimeBuffers.cpp RuntimeBuffers::setMaxBufferSizes: numLogits = maxBatchSize * "
-               "std::max(1 + maxDraftTokens, maxBeamWidth); reshape: logits->reshape({numLogits, vocabSizePadded})")
-    out = [{"name": "logits" + (" (context, gathered)" if gather_context_logits else " (last token)"),
-            "shape": shape, "rows": rows, "vocab_size_padded": vp, "dtype": logits_dtype,
-            "bytes": rows * vp * lb, "source": src}]
+        # Every step with a context request: reshape re-allocates `logits = manager.gpu({numContextTokens +
+        # numGenSequences, vocabSizePadded})` (the MicroBatchScheduler keeps a step's tokens <= maxNumTokens),
+        # after the KV pool. The previous step's buffer is still held then: HandleContextLogits keeps views of it
+        # in the decoder input buffers (allDecoderLogits.emplace_back(logitsView); a BufferView holds the parent's
+        # SharedPtr) until the next decoderStepAsync clears them, which runs after the next executeStep's
+        # prepareBuffers -> prepareStep -> reshape. Two full-size buffers are alive across a step.
+        out.append({"name": "context logits (per step: this step's + the previous step's)",
+                    "shape": "2 x [max_num_tokens, vocabSizePadded]", "rows": 2 * max_num_tokens,
+                    "vocab_size_padded": vp, "dtype": logits_dtype, "bytes": 2 * max_num_tokens * vp * lb,
+                    "when": PER_STEP,
+                    "source": "; ".join([
+                        _src("runtimeBuffers", "RuntimeBuffers::reshape: logits = manager.gpu(ITensor::makeShape("
+                             "{numContextTokens + numGenSequences, vocabSizePadded}), logitsType)"),
+                        _src("microBatchScheduler", "batchNumTokens + reqNumTokens > maxNumTokensRuntime -> break"),
+                        _src("handleContextLogits", "allDecoderLogits.clear(); ... "
+                             "allDecoderLogits.emplace_back(std::move(decoderLogits))"),
+                        _src("bufferView", "IBuffer::SharedPtr mBuffer"),
+                        _src("trtGptModelStep", "forwardAsync: executeBatch before decoderStepAsync; executeStep -> "
+                             "prepareBuffers -> runtimeBuffers.prepareStep")])})
     if max_seq_len is None:
         return out
     mbs, bw, sl = max_batch_size, max_beam_width, max_seq_len
     # maxAttentionWindow = the largest layer window = max_seq_len (forge sets per-layer windows <= max_seq_len)
 
-    def add(name, shape, dtype, nbytes, key, ident):
+    def add(name, shape, dtype, nbytes, key, ident, when=STARTUP):
         path, commit = TRTLLM_SOURCES[key]
-        out.append({"name": name, "shape": shape, "dtype": dtype, "bytes": nbytes,
+        out.append({"name": name, "shape": shape, "dtype": dtype, "bytes": nbytes, "when": when,
                     "source": f"{path} @ {commit}: {ident}"})
 
     # DecoderState::reshapeBuffers: dOutput.ids / parentIds / logProbs -> maxTotalTokensShape
@@ -209,7 +281,97 @@ def runtime_buffers(info: ModelInfo, *, tp: int, pp: int, max_batch_size: int, m
             "uint8", 2 * (-(-one // IPC_ALIGN) * IPC_ALIGN), "ipcUtils",
             "AllReduceBuffers::AllReduceBuffers bufferSize = tpSize * std::min(..., getMaxRequiredWorkspaceSize("
             "tpSize)); IpcMemory::allocateIpcMemory alignSize(bufferSize, 1LU << 21)")
+    if tp > 1:
+        out.append(nccl_buffers(tp))
     return out
+
+
+def nccl_buffers(tp: int) -> dict:
+    """NCCL's connection buffers of the TP communicator (the AllGather / AllReduce plugins' ``getComm``), an upper
+    bound: NCCL >= 2.22 connects at the first collective (``NCCL_RUNTIME_CONNECT``, default 1: after the KV pool),
+    one set of LL / LL128 / Simple buffers per channel and receiving peer, at most ``MAXCHANNELS`` channels. GPUs
+    without peer access (GeForce) use the SHM transport, whose buffers are host memory: there it over-reserves."""
+    return {"name": "NCCL connection buffers (tp > 1, upper bound)",
+            "shape": "MAXCHANNELS x (tp - 1) peers x (LL + LL128 + Simple)", "dtype": "uint8",
+            "bytes": NCCL_MAX_CHANNELS * (tp - 1) * NCCL_CONNECTION_BYTES, "when": PER_STEP,
+            "source": "; ".join([
+                _src("init", "NCCL_PARAM(RuntimeConnect, \"RUNTIME_CONNECT\", 1); comm->runtimeConn = "
+                     "comm->cuMemSupport && ncclParamRuntimeConnect(); DEFAULT_LL_BUFFSIZE, DEFAULT_LL128_BUFFSIZE, "
+                     "DEFAULT_BUFFSIZE (1 << 22)", NCCL_SOURCES),
+                _src("device", "MAXCHANNELS 64, NCCL_LL_LINES_PER_THREAD 8, NCCL_LL_MAX_NTHREADS 512, "
+                     "NCCL_LL128_ELEMS_PER_THREAD 120, NCCL_LL128_MAX_NTHREADS 640, NCCL_STEPS 8", NCCL_SOURCES),
+                _src("connect", "ncclTopoPostset: nChannels = comm->nChannels = std::min(MAXCHANNELS,nChannels*2)",
+                     NCCL_SOURCES),
+                _src("allgatherPlugin", "AllgatherPlugin::initialize(): the communicator of mGroup"),
+                _src("requirements", "nvidia-nccl-cu13 (rel-25-08 uses 2.27.7)")])}
+
+
+def lm_head_activation(info: ModelInfo, *, tp: int, rows: int, dtype: str, logits_dtype: str) -> dict:
+    """The lm_head's share of the engine's execution-context memory (allocated when the engine loads).
+
+    TensorRT-LLM builds ``lm_head = ColumnLinear(hidden, pad_vocab_size(vocab, tp), gather_output=True)``: each rank
+    computes ``[rows, V/tp]`` and, when tp > 1, the AllGather plugin returns ``[tp x rows, V/tp]`` (its
+    getOutputDimensions multiplies dim 0 by the group size), which slice + concat turn into ``[rows, V]``. The
+    network output ``logits`` is bound to the runtime's logits buffer (counted with the runtime buffers), so what the
+    engine holds is the local output and the gathered one alive together; when ``logits_dtype`` is not the model
+    dtype, mark_output adds a cast and the concatenated ``[rows, V]`` is an intermediate too (then the gathered and
+    the concatenated tensors are the larger pair). ``rows`` = ``max_num_tokens`` for an engine that gathers context
+    logits (prepare_basic_inputs has no ``last_token_ids`` then, so the lm_head sees every packed token), else the
+    last tokens of ``max_batch_size x max_beam_width`` sequences."""
+    act = DTYPE_BYTES[dtype]
+    vpt = math.ceil(info.vocab_size / tp) * tp          # pad_vocab_size(vocab_size, tp_size)
+    cast = _CANONICAL_DTYPE.get(logits_dtype, logits_dtype) != _CANONICAL_DTYPE.get(dtype, dtype)
+    if tp > 1:
+        local, gathered = rows * vpt // tp, rows * vpt
+        elems = gathered + (gathered if cast else local)
+        shape = (f"[{rows}, {vpt}] gathered + [{rows}, {vpt}] concatenated" if cast
+                 else f"[{rows}, {vpt // tp}] local + [{tp} x {rows}, {vpt // tp}] gathered")
+    else:
+        elems = rows * vpt if cast else 0
+        shape = f"[{rows}, {vpt}] before the cast to {logits_dtype}" if cast else "none (the output is the logits buffer)"
+    return {"bytes": elems * act, "shape": shape, "rows": rows, "cast": cast,
+            "source": "; ".join([
+                _src("llamaModel", "vocab_size_padded = pad_vocab_size(vocab_size, mapping.tp_size); "
+                     "self.lm_head = ColumnLinear(hidden_size, vocab_size_padded, ..., gather_output=True)"),
+                _src("linear", "Linear.collect_and_bias: x = allgather(x, self.tp_group, gather_dim=-1)"),
+                _src("functional", "allgather: plugin output, then split_size = shape(x, dim=0) / group_size, "
+                     "slice x group_size, x = concat(sections, dim=gather_dim)"),
+                _src("allgatherPlugin", "getOutputDimensions: ret.d[0] = kPROD(*ret.d[0], *groupSize)"),
+                _src("generationMixin", "last_token_ids = None unless mapping.is_last_pp_rank() and not "
+                     "gather_context_logits"),
+                _src("modelingUtils", "DecoderModelForCausalLM.forward: lm_logits = self.lm_head(hidden_states); "
+                     "lm_logits.mark_output('logits', self.config.logits_dtype)"),
+                _src("network", "_mark_output: if dtype is not None and self.strongly_typed: tensor = cast(tensor, dtype)"),
+                _src("tllmRuntime", "TllmRuntime::TllmRuntime: mEngineBuffer = mBufferManager.gpu("
+                     "mEngine->getDeviceMemorySizeV2())")])}
+
+
+def kv_cache_max_tokens(*, max_batch_size: int, max_seq_len: int, tokens_per_block: int,
+                        windows: list[int] | None = None) -> int | None:
+    """The KV-pool cap forge writes (``max_tokens_in_paged_kv_cache``, Triton config and evaluate runtime): what
+    the configured worst case needs (the plan's KV cache), whole blocks of ``max_batch_size`` sequences of the attention
+    window (``max_seq_len`` without one). None for an engine with more than one window size, where TensorRT-LLM 1.2
+    ignores the cap (kvCacheManager.cpp calculateMaxNumBlocks: "kv_cache_config.max_tokens is not effective in
+    VSWA scheme"). ``windows``: the engine's per-layer windows (families.engine_attention_windows)."""
+    distinct = {min(int(w), max_seq_len) for w in windows} if windows else {max_seq_len}
+    if len(distinct) > 1:
+        return None
+    return max_batch_size * math.ceil(distinct.pop() / tokens_per_block) * tokens_per_block
+
+
+def engine_kv_cache_max_tokens(engine_config: dict) -> int | None:
+    """:func:`kv_cache_max_tokens` of a built engine, from its ``config.json`` (``build_config`` with its
+    ``plugin_config``, the per-layer windows of ``pretrained_config``) or from a recipe's ``build.tensorrt_llm``
+    section; None without a paged KV cache (trtllm-build's defaults: max_batch_size 2048, 32 tokens per block)."""
+    from .families import engine_attention_windows
+    bc = engine_config.get("build_config", engine_config)
+    plugin = bc.get("plugin_config") or {}
+    kv = str(bc.get("kv_cache_type", plugin.get("kv_cache_type", "paged"))).split(".")[-1].lower()
+    if kv != "paged" or plugin.get("paged_kv_cache") is False or bc.get("max_seq_len") is None:
+        return None
+    return kv_cache_max_tokens(max_batch_size=int(bc.get("max_batch_size", 2048)), max_seq_len=int(bc["max_seq_len"]),
+                               tokens_per_block=int(plugin.get("tokens_per_block", bc.get("tokens_per_block", 32))),
+                               windows=engine_attention_windows(engine_config))
 
 
 @dataclass
@@ -225,14 +387,20 @@ class MemoryPlan:
     kv_block_bytes: int
     kv_blocks: int
     kv_cache_paged_bytes: int               # whole blocks of tokens_per_block
-    activation_bytes: int
-    logits_bytes: int                       # runtime_buffers[0], the logits buffer
-    runtime_bytes: int
-    total_bytes: int
+    activation_bytes: int                   # the engine's execution-context memory: max(layer estimate, lm_head)
+    logits_bytes: int                       # every logits buffer: start-up + per-step context logits
+    runtime_bytes: int                      # fixed overhead: CUDA context, cuBLAS workspaces
+    total_bytes: int                        # early_bytes + kv_cache_paged_bytes + reserve_bytes
     notes: list[str] = field(default_factory=list)
     runtime_buffers: list[dict] = field(default_factory=list)
-    buffers_bytes: int = 0                  # runtime_buffers other than logits (decoder, sampling, all-reduce)
-    kv_headroom_bytes: int = 0              # free memory the KV manager leaves unallotted (1 - fraction)
+    buffers_bytes: int = 0                  # start-up runtime buffers other than logits (decoder, sampling, all-reduce)
+    kv_headroom_bytes: int = 0              # free memory the fraction leaves beyond the pool's need
+    late_bytes: int = 0                     # per-step buffers allocated after the KV pool
+    early_bytes: int = 0                    # everything allocated before the KV pool is sized
+    reserve_bytes: int = 0                  # free memory needed beyond early + KV: max(headroom, per-step)
+    kv_max_tokens: int | None = None        # max_tokens_in_paged_kv_cache forge writes; None: TensorRT-LLM ignores it
+    lm_head: dict = field(default_factory=dict)      # lm_head_activation()
+    layer_activation_bytes: int = 0         # one decoder layer's estimate
     _info: ModelInfo | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict:
@@ -314,8 +482,15 @@ def _linear_bytes(quant: str, in_f: int, out_f: int, act_bytes: int, group_size:
             raise ForgeError(f"int4_awq group size {group_size} (recipe key {RECIPE_KEYS['group_size']}) does not "
                              f"divide a linear input width {in_f}; pick a group size that divides it (e.g. 64 or 128)")
         return (n + 1) // 2, (in_f // group_size) * out_f * act_bytes + in_f * act_bytes
+    if quant == "int4_zp":     # model-dtype scale and zero per group (pipeline/trtllm/int4_zp.py)
+        if in_f % group_size:
+            raise ForgeError(f"int4_zp group size {group_size} (recipe key {RECIPE_KEYS['group_size']}) does not "
+                             f"divide a linear input width {in_f}; pick a group size that divides it (64 or 128)")
+        return (n + 1) // 2, 2 * (in_f // group_size) * out_f * act_bytes
     if quant == "fp8":
         return n, 8
+    if quant == "fp8_pc_pt":   # fp32 per_channel_scale (out,) (contract.py RULE_FP8_PC_PT)
+        return n, out_f * 4
     raise AssertionError(quant)
 
 
@@ -325,8 +500,9 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                 group_size: int = 128, runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD,
                 parallel_embedding: bool = False, gather_context_logits: bool = False,
                 logits_dtype: str = "float32", max_beam_width: int = 1,
-                kv_cache_free_gpu_mem_fraction: float = 0.9) -> MemoryPlan:
-    """Bytes one rank needs; see the module docstring for what is counted."""
+                kv_cache_free_gpu_mem_fraction: float = 0.9, meta_recipe: bool = False) -> MemoryPlan:
+    """Bytes one rank needs; see the module docstring for what is counted. ``meta_recipe``: fp8_pc_pt with
+    quantize.options.meta_recipe (attention and the first / last layers in the model dtype)."""
     quant = _norm_quant(quant_algo)
     if dtype not in DTYPE_BYTES:
         raise ForgeError(f"unknown dtype {dtype!r} (recipe key {RECIPE_KEYS['dtype']}): valid values are float16, "
@@ -369,13 +545,17 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                (q_heads * hd, h, True),                # attention dense (row parallel)
                (h, i_r, False), (h, i_r, False),       # gate, up (column parallel)
                (i_r, h, True)]                         # down (row parallel)
+    # TensorRT-LLM's Meta recipe for rowwise FP8 keeps the attention of every layer and the first and last layers
+    # in the model dtype (trtllm/quantizers.meta_recipe_float); the worst stage holds one of those layers when pp > 1
+    meta = meta_recipe and quant == "fp8_pc_pt"
+    float_layers = min(layers, 2 if pp == 1 else 1) if meta else 0
     w_lin = s_lin = p_lin = 0
-    for in_f, out_f, row in linears:
+    for k, (in_f, out_f, row) in enumerate(linears):
+        n_float = layers if meta and k < 2 else float_layers
         wb, sb = _linear_bytes(quant, in_f, out_f, act, group_size, row)
-        w_lin += wb
-        s_lin += sb
-        p_lin += in_f * out_f
-    w_lin, s_lin, p_lin = w_lin * layers, s_lin * layers, p_lin * layers
+        w_lin += wb * (layers - n_float) + _linear_bytes("none", in_f, out_f, act, group_size, row)[0] * n_float
+        s_lin += sb * (layers - n_float)
+        p_lin += in_f * out_f * layers
     bias_params = ((q_heads + 2 * kvr) * hd if info.attention_bias else 0)
     # Gemma 3: 4 norms per layer; Qwen3 / Gemma 3: per-head q/k norms (head_dim each)
     norm_params = (info.norms_per_layer * h + (2 * hd if info.qk_norm else 0) + bias_params
@@ -384,8 +564,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     head_params = math.ceil(info.vocab_size / tp) * h
 
     lin_dtype = {"none": dtype, "int8_sq": "int8", "int8_sq_per_token": "int8", "int8_wo": "int8", "int4_wo": "int4", "int4_awq": "int4",
-                 "fp8": "fp8"}.get(quant, quant)
-    scale_dtype = "fp32/" + dtype if quant == "int8_sq" else "fp32" if quant == "int8_sq_per_token" else ("fp32" if quant == "fp8" else dtype)
+                 "int4_zp": "int4", "fp8": "fp8", "fp8_pc_pt": "fp8"}.get(quant, quant)
+    scale_dtype = "fp32/" + dtype if quant == "int8_sq" else "fp32" if quant in ("int8_sq_per_token", "fp8", "fp8_pc_pt") else dtype
     # Worst pipeline stage: with pp == 1 one rank holds both; with pp > 1 the first stage holds the
     # embedding and the last stage lm_head + final norm; report the larger.
     if pp == 1:
@@ -409,31 +589,54 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     kv_block_bytes = kv_per_token * tokens_per_block
     kv_contig = kv_per_token * kv_tokens
     kv_paged = kv_block_bytes * kv_blocks
+    kv_groups = [kv_paged]                  # bytes per attention-window size (TensorRT-LLM pools each separately)
     n_slide = info.sliding_layers_in(layers)
     win = info.sliding_window
+    windows = None
     if n_slide and win and win < max_seq_len:
         # A sliding-window layer keeps only the last `window` tokens: forge sets the runtime's per-layer
         # max_attention_window_size (TensorRT-LLM's variable sliding-window KV cache; families.attention_windows).
         per_layer = kvr * hd * 2 * kvb
         win_blocks = math.ceil(win / tokens_per_block)
         kv_contig = per_layer * max_batch_size * ((layers - n_slide) * max_seq_len + n_slide * win)
-        kv_paged = per_layer * tokens_per_block * max_batch_size * ((layers - n_slide) * blocks_per_seq
-                                                                    + n_slide * win_blocks)
+        kv_groups = [g for g in (per_layer * tokens_per_block * max_batch_size * (layers - n_slide) * blocks_per_seq,
+                                 per_layer * tokens_per_block * max_batch_size * n_slide * win_blocks) if g]
+        kv_paged = sum(kv_groups)
+        windows = [win] * n_slide + [max_seq_len] * (layers - n_slide)
+    kv_max_tokens = kv_cache_max_tokens(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                        tokens_per_block=tokens_per_block, windows=windows)
 
     per_token_act = (2 * h + (q_heads + 2 * kvr) * hd + q_heads * hd + 3 * i_r) * act
-    activation = per_token_act * max_num_tokens
+    layer_activation = per_token_act * max_num_tokens
+    lm = lm_head_activation(info, tp=tp, rows=max_num_tokens if gather_context_logits
+                            else max_batch_size * max_beam_width, dtype=dtype, logits_dtype=logits_dtype)
+    # one execution-context allocation, sized for the engine's largest profile: the layers run before the lm_head
+    activation = max(layer_activation, lm["bytes"])
     buffers = runtime_buffers(info, tp=tp, pp=pp, max_batch_size=max_batch_size, max_beam_width=max_beam_width,
                               max_num_tokens=max_num_tokens, gather_context_logits=gather_context_logits,
                               logits_dtype=logits_dtype, max_seq_len=max_seq_len)
-    logits = buffers[0]["bytes"]
-    others = sum(b["bytes"] for b in buffers[1:])
+    startup = [b for b in buffers if b["when"] == STARTUP]
+    late = sum(b["bytes"] for b in buffers if b["when"] == PER_STEP)
+    logits = sum(b["bytes"] for b in buffers if b["name"].startswith(("logits", "context logits")))
+    others = sum(b["bytes"] for b in startup[1:])
+    runtime = runtime_overhead
+    early = weights_bytes + activation + startup[0]["bytes"] + others + runtime
     # BaseKVCacheManager::calculateFreeMemBytes (kvCacheManager.cpp): freePrimaryMemBytes = finalFreeMem *
-    # freeMemFraction, measured after the engine, runtime buffers and decoder are allocated
-    # (TrtGptModelInflightBatching ctor: createBuffers, createDecoder, then calculateFreeMemBytes): the pool holds
-    # the worst case only when free >= kv / fraction, i.e. kv * (1 / fraction - 1) more stays unallotted.
-    headroom = math.ceil(kv_paged / frac) - kv_paged
-    runtime = runtime_overhead + (NCCL_OVERHEAD if tp > 1 else 0)
-    total = weights_bytes + kv_paged + headroom + activation + logits + others + runtime
+    # freeMemFraction, measured after everything above (TrtGptModelInflightBatching ctor: createBuffers,
+    # createDecoder, then calculateFreeMemBytes); calculateMaxNumBlocks gives each window size an equal share of it
+    # and caps the pool at maxTokens (max_tokens_in_paged_kv_cache) unless there is more than one window size.
+    if kv_max_tokens is not None:
+        # the pool takes min(cap, fraction x free) = the recipe's KV when free >= kv / fraction; the per-step
+        # buffers get the rest, free - kv
+        pool_need = kv_paged
+        reserve = max(math.ceil(kv_paged / frac) - kv_paged, late)
+    else:
+        # the pool takes fraction x free whatever the recipe needs, each window size 1 / (window sizes) of it;
+        # the per-step buffers get (1 - fraction) x free
+        pool_need = len(kv_groups) * max(kv_groups)
+        reserve = max(math.ceil(pool_need / frac), math.ceil(late / (1 - frac))) - kv_paged
+    headroom = math.ceil(pool_need / frac) - kv_paged
+    total = early + kv_paged + reserve
 
     notes = []
     if tp > info.num_kv_heads:
@@ -449,22 +652,33 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
     if info.tie_word_embeddings:
         notes.append("tied embeddings: the engine stores lm_head separately from the embedding table")
     if gather_context_logits:
-        notes.append(f"the engine gathers context logits (--gather_context_logits): the runtime's logits buffer is "
-                     f"{max_num_tokens} x {buffers[0]['vocab_size_padded']} {logits_dtype} = "
-                     f"{logits / GiB:.2f} GiB; the deploy engine, built without it, needs "
-                     f"{max_batch_size * max_beam_width} rows")
+        notes.append(f"the engine gathers context logits (--gather_context_logits): every step with a context "
+                     f"request allocates a [{max_num_tokens}, {buffers[0]['vocab_size_padded']}] {logits_dtype} "
+                     f"logits buffer after the KV pool, and the previous step's stays alive until the decoder "
+                     f"runs: {buffers[1]['bytes'] / GiB:.2f} GiB; the deploy engine, built without it, keeps its "
+                     f"{max_batch_size * max_beam_width}-row start-up buffer")
+    if lm["bytes"] > layer_activation:
+        notes.append(f"activations: the lm_head's all-gather ({lm['shape']}, {lm['bytes'] / GiB:.2f} GiB) is larger "
+                     f"than one decoder layer's ({layer_activation / GiB:.2f} GiB)")
     if mnt_default:
         notes.append(f"max_num_tokens not set: using min({DEFAULT_MAX_NUM_TOKENS}, max_batch_size x max_seq_len)"
                      f" = {max_num_tokens}")
-    notes.append(f"TensorRT-LLM sizes the paged KV pool as kv_cache_free_gpu_mem_fraction ({frac}) of the memory "
-                 f"free after the engine and runtime buffers: the configured worst case needs "
-                 f"{headroom / GiB:.2f} GiB more free memory than the pool itself")
+    if kv_max_tokens is not None:
+        notes.append(f"KV pool capped at max_tokens_in_paged_kv_cache {kv_max_tokens} (what forge writes into the "
+                     f"Triton config and the evaluate runtime): it needs {kv_paged / frac / GiB:.2f} GiB free "
+                     f"(kv_cache_free_gpu_mem_fraction {frac}) and leaves the per-step buffers "
+                     f"({late / GiB:.2f} GiB) the rest")
+    else:
+        notes.append(f"{len(kv_groups)} attention-window sizes: TensorRT-LLM 1.2 ignores max_tokens_in_paged_kv_cache "
+                     f"and gives the KV pool kv_cache_free_gpu_mem_fraction ({frac}) of the free memory, an equal "
+                     f"share per window size; the per-step buffers ({late / GiB:.2f} GiB) must fit in the remaining "
+                     f"{1 - frac:.2f}")
     args = dict(quant_algo=quant, kv_cache=kv_name, dtype=dtype, tp=tp, pp=pp, max_batch_size=max_batch_size,
                 max_seq_len=max_seq_len, max_num_tokens=None if mnt_default else max_num_tokens,
                 tokens_per_block=tokens_per_block, group_size=group_size, runtime_overhead=runtime_overhead,
                 parallel_embedding=parallel_embedding, gather_context_logits=gather_context_logits,
                 logits_dtype=logits_dtype, max_beam_width=max_beam_width,
-                kv_cache_free_gpu_mem_fraction=frac)
+                kv_cache_free_gpu_mem_fraction=frac, meta_recipe=meta)
     model = {"architecture": info.architecture, "num_layers": info.num_layers, "hidden_size": h,
              "num_heads": info.num_heads, "num_kv_heads": info.num_kv_heads, "head_dim": hd,
              "intermediate_size": i_sz, "vocab_size": info.vocab_size, "num_params": info.num_params,
@@ -474,7 +688,8 @@ def plan_memory(info: ModelInfo, *, quant_algo: str = "none", kv_cache: str | No
                       kv_block_bytes=kv_block_bytes, kv_blocks=kv_blocks, kv_cache_paged_bytes=kv_paged,
                       activation_bytes=activation, logits_bytes=logits, runtime_bytes=runtime, total_bytes=total,
                       notes=notes, runtime_buffers=buffers, buffers_bytes=others, kv_headroom_bytes=headroom,
-                      _info=info)
+                      late_bytes=late, early_bytes=early, reserve_bytes=reserve, kv_max_tokens=kv_max_tokens,
+                      lm_head=lm, layer_activation_bytes=layer_activation, _info=info)
 
 
 def _replan(plan: MemoryPlan, **changes) -> MemoryPlan | None:
@@ -500,14 +715,29 @@ def _largest(lo: int, hi: int, ok) -> int | None:
 def _hw_problems(plan: MemoryPlan, gpu: GpuSpec) -> list[str]:
     probs = []
     sm = f"SM {gpu.sm[0]}.{gpu.sm[1]}"
-    if plan.args["quant_algo"] == "fp8" and not gpu.has_fp8:
-        probs.append(f"{gpu.name} ({sm}) has no FP8 tensor cores: set {RECIPE_KEYS['quant_algo']} to "
-                     f"int8_sq_per_token or int4_awq")
+    qz = QUANTIZERS.get(plan.args["quant_algo"])              # fp16 / bf16 / fp32: the planner's own names
+    need = qz.min_sm if qz is not None else None             # the quantizer's declaration: FP8 GEMMs need SM 8.9
+    if need is not None and gpu.sm < divmod(need, 10):
+        probs.append(f"{gpu.name} ({sm}) has no FP8 tensor cores ({plan.args['quant_algo']} needs SM >= "
+                     f"{need // 10}.{need % 10}): set {RECIPE_KEYS['quant_algo']} to int8_sq_per_token or int4_awq")
     if plan.args["kv_cache"] == "fp8" and not gpu.has_fp8:
         probs.append(f"{gpu.name} ({sm}) has no FP8: set {RECIPE_KEYS['kv_cache']}=int8")
     if plan.args["dtype"] in ("bfloat16", "bf16") and gpu.sm < (8, 0):
         probs.append(f"{gpu.name} ({sm}) has no bf16: use float16")
     return probs
+
+
+def suggestable_quant_algos(plan: MemoryPlan, gpu: GpuSpec) -> list[str]:
+    """The ``quantize.algo`` values the build would accept for this plan's model, parallelism and GPU: the build's
+    own rule (trtllm/build_config.validate_build, its ``quantize.algo`` problems) asked for each, so ``fit`` never
+    suggests what ``forge plan`` then refuses. In build_config.QUANT_ALGO order."""
+    from .build_config import QUANT_ALGO, validate_build
+    a = plan.args
+    kv = a["kv_cache"] if a["kv_cache"] in ("int8", "fp8") else "none"
+    build = {"tp": a["tp"], "pp": a["pp"], "dtype": a["dtype"]}
+    sm = gpu.sm[0] * 10 + gpu.sm[1]
+    return [q for q in QUANT_ALGO if q in QUANT_ALGOS and not any(
+        p.startswith("quantize.algo") for p in validate_build(build, {"algo": q, "kv_cache": kv}, plan._info, sm))]
 
 
 def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
@@ -544,25 +774,32 @@ def fit(plan: MemoryPlan, gpu: GpuSpec, *, max_tp: int = 8) -> FitVerdict:
                                        ("halves the KV cache" if ok else "halves the KV cache, not enough alone")
                                        + ("" if gpu.has_fp8 else f" ({gpu.name} has no FP8)")))
         mnt_used = plan.model["max_num_tokens_used"]
-        if plan.activation_bytes + (plan.logits_bytes if a["gather_context_logits"] else 0) > 0.02 * cap:
+        if plan.activation_bytes + plan.late_bytes > 0.02 * cap:
             n = _largest(1, mnt_used // 256, lambda k: fits_with(max_num_tokens=k * 256) is not None)
             if n and n * 256 < mnt_used:
                 p = fits_with(max_num_tokens=n * 256)
                 sugg.append(Suggestion("max_num_tokens", n * 256, p.total_bytes,
                                        "fewer packed tokens per step: smaller activation (and gathered "
                                        "context-logits) buffers, slower prefill"))
+        if plan.kv_max_tokens is None and plan.late_bytes:
+            # the pool takes the fraction whatever the cap says: a smaller one leaves the per-step buffers room
+            f = next((x / 20 for x in range(19, 0, -1) if x / 20 < a["kv_cache_free_gpu_mem_fraction"]
+                      and fits_with(kv_cache_free_gpu_mem_fraction=x / 20) is not None), None)
+            if f is not None:
+                sugg.append(Suggestion("kv_cache_free_gpu_mem_fraction", f,
+                                       fits_with(kv_cache_free_gpu_mem_fraction=f).total_bytes,
+                                       f"leaves {1 - f:.2f} of the free memory to the per-step buffers"))
         for t in (2, 4, 8):
             if a["tp"] < t <= max_tp:
                 p = fits_with(tp=t)
                 if p is not None:
                     sugg.append(Suggestion("tp", t, p.total_bytes, f"split over {t} x {gpu.name}"))
                     break
-        order = ["none", "int8_sq", "int8_wo", "int4_awq"]
-        cur = a["quant_algo"]
-        cur_bits = QUANT_ALGOS[cur][0] or DTYPE_BYTES[a["dtype"]] * 8
-        for q in order:
-            qb = QUANT_ALGOS[q][0] or DTYPE_BYTES[a["dtype"]] * 8
-            if qb < cur_bits:
+        def bits(q):
+            return QUANT_ALGOS[q][0] or DTYPE_BYTES[a["dtype"]] * 8
+        # the least aggressive algo with fewer bits that fits and that the build accepts for this model and GPU
+        for q in sorted(suggestable_quant_algos(plan, gpu), key=bits, reverse=True):
+            if bits(q) < bits(a["quant_algo"]):
                 p = fits_with(quant_algo=q)
                 if p is not None:
                     sugg.append(Suggestion("quant_algo", q, p.total_bytes, QUANT_ALGOS[q][1]))
@@ -609,22 +846,32 @@ def rank_weight_bytes(ckpt_dir, rank: int) -> dict[str, int]:
     return parts
 
 
-def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None) -> tuple[MemoryPlan, list[FitVerdict]]:
+def plan_for_recipe(recipe, info: ModelInfo, gpu: str | None = None, *,
+                    deploy: bool = False) -> tuple[MemoryPlan, list[FitVerdict]]:
     """Plan from a resolved recipe's quantize + build.tensorrt_llm sections; verdict for ``gpu`` (a name from
-    :mod:`pipeline.gpus`) or, when None, for every GPU in the table."""
-    from .gpus import GPUS, get_gpu
+    :mod:`pipeline.gpus`) or, when None, for every GPU in the table. The evaluation engine (stage ``build``, with
+    the recipe's ``gather_context_logits``) unless ``deploy``: the engine Triton serves (stage ``build_deploy``,
+    built without it)."""
+    from ..gpus import GPUS, get_gpu
 
     q, b = recipe.quantize, recipe.build.tensorrt_llm
     algo = "none" if q.method == "none" else q.algo
     if algo == "int8":                 # the onnxruntime target's name; same bytes as int8_sq / int8_wo
         algo = "int8_sq"
+    # this target's quantizer reads the options: its group size (quantize.block_size, else its default for this
+    # model, the one the quantize and checkpoint stages use) and the Meta recipe of rowwise FP8; another target's
+    # recipe has its own quantizers
+    qz = QUANTIZERS.get(algo) if recipe.build.target == "tensorrt_llm" else None
+    opts = qz.options_of(q) if qz is not None else None
+    group = qz.group_size(opts, info) if qz is not None else q.block_size
     plan = plan_memory(info, quant_algo=algo, kv_cache=q.kv_cache, dtype=b.dtype, tp=b.tp, pp=b.pp,
                        max_batch_size=b.max_batch_size, max_seq_len=b.max_seq_len, max_num_tokens=b.max_num_tokens,
                        tokens_per_block=b.tokens_per_block if b.kv_cache_type == "paged" else 1,
-                       group_size=q.block_size or 128, max_beam_width=b.max_beam_width,
+                       group_size=group or DEFAULT_GROUP, max_beam_width=b.max_beam_width,
                        parallel_embedding=True,   # what forge's checkpoint stage writes (module docstring)
-                       gather_context_logits=b.gather_context_logits, logits_dtype=b.logits_dtype,
-                       kv_cache_free_gpu_mem_fraction=recipe.package.triton.kv_cache_free_gpu_mem_fraction)
+                       gather_context_logits=b.gather_context_logits and not deploy, logits_dtype=b.logits_dtype,
+                       kv_cache_free_gpu_mem_fraction=recipe.package.triton.kv_cache_free_gpu_mem_fraction,
+                       meta_recipe=bool(getattr(opts, "meta_recipe", False)))
     gpus = [get_gpu(gpu)] if gpu else list(GPUS.values())
     return plan, [fit(plan, g) for g in gpus]
 
@@ -650,20 +897,31 @@ def render_memory(plan: MemoryPlan, verdicts: list[FitVerdict], console) -> None
     for name, w in plan.weights.items():
         t.add_row(f"weights: {name}", w["dtype"], f"{w['bytes']:,}", f"{w['bytes'] / GiB:.2f}")
     t.add_row("[bold]weights total", "", f"{plan.weights_bytes:,}", f"{plan.weights_bytes / GiB:.2f}")
-    t.add_row(f"KV cache ({a['max_batch_size']} x {a['max_seq_len']} tokens, "
-              f"{plan.kv_bytes_per_token:,} B/token)", a["kv_cache"], f"{plan.kv_cache_bytes:,}",
-              f"{plan.kv_cache_bytes / GiB:.2f}")
-    t.add_row(f"KV cache paged ({plan.kv_blocks:,} blocks x {a['tokens_per_block']} tokens)", a["kv_cache"],
-              f"{plan.kv_cache_paged_bytes:,}", f"{plan.kv_cache_paged_bytes / GiB:.2f}")
-    t.add_row(f"KV pool headroom (1 - kv_cache_free_gpu_mem_fraction {a['kv_cache_free_gpu_mem_fraction']})",
-              "", f"{plan.kv_headroom_bytes:,}", f"{plan.kv_headroom_bytes / GiB:.2f}")
-    t.add_row(f"activations (estimate, {plan.model['max_num_tokens_used']} tokens)", a["dtype"],
-              f"{plan.activation_bytes:,}", f"{plan.activation_bytes / GiB:.2f}")
+    t.add_row(f"activations: one layer's estimate ({plan.model['max_num_tokens_used']} tokens)", a["dtype"],
+              f"{plan.layer_activation_bytes:,}", f"{plan.layer_activation_bytes / GiB:.2f}")
+    t.add_row(escape(f"activations: lm_head all-gather {plan.lm_head['shape']}"), a["dtype"],
+              f"{plan.lm_head['bytes']:,}", f"{plan.lm_head['bytes'] / GiB:.2f}")
+    t.add_row("activations (the larger: the engine's context memory)", a["dtype"], f"{plan.activation_bytes:,}",
+              f"{plan.activation_bytes / GiB:.2f}")
     for rb in plan.runtime_buffers:
-        t.add_row(escape(f"runtime buffer: {rb['name']} {rb['shape']}"), rb["dtype"], f"{rb['bytes']:,}",
-                  f"{rb['bytes'] / GiB:.2f}")
-    t.add_row("runtime (CUDA context, cuBLAS, NCCL)", "", f"{plan.runtime_bytes:,}",
-              f"{plan.runtime_bytes / GiB:.2f}")
+        if rb["when"] == STARTUP:
+            t.add_row(escape(f"runtime buffer: {rb['name']} {rb['shape']}"), rb["dtype"], f"{rb['bytes']:,}",
+                      f"{rb['bytes'] / GiB:.2f}")
+    t.add_row("runtime (CUDA context, cuBLAS)", "", f"{plan.runtime_bytes:,}", f"{plan.runtime_bytes / GiB:.2f}")
+    t.add_row("[bold]before the KV pool", "", f"{plan.early_bytes:,}", f"{plan.early_bytes / GiB:.2f}")
+    cap = (f"max_tokens_in_paged_kv_cache {plan.kv_max_tokens}" if plan.kv_max_tokens is not None
+           else f"kv_cache_free_gpu_mem_fraction {a['kv_cache_free_gpu_mem_fraction']}")
+    t.add_row(f"KV cache ({a['max_batch_size']} x {a['max_seq_len']} tokens, "
+              f"{plan.kv_bytes_per_token:,} B/token, contiguous)", a["kv_cache"], f"{plan.kv_cache_bytes:,}",
+              f"{plan.kv_cache_bytes / GiB:.2f}")
+    t.add_row(f"KV pool, paged in blocks of {a['tokens_per_block']} tokens ({cap})", a["kv_cache"],
+              f"{plan.kv_cache_paged_bytes:,}", f"{plan.kv_cache_paged_bytes / GiB:.2f}")
+    for rb in plan.runtime_buffers:
+        if rb["when"] == PER_STEP:
+            t.add_row(escape(f"per step, after the pool: {rb['name']} {rb['shape']}"), rb["dtype"],
+                      f"{rb['bytes']:,}", f"{rb['bytes'] / GiB:.2f}")
+    t.add_row(f"free beyond the pool: max(headroom of fraction {a['kv_cache_free_gpu_mem_fraction']}, per step)", "",
+              f"{plan.reserve_bytes:,}", f"{plan.reserve_bytes / GiB:.2f}")
     t.add_row("[bold]total per rank", "", f"{plan.total_bytes:,}", f"[bold]{plan.total_bytes / GiB:.2f}")
     console.print(t)
     for n in plan.notes:

@@ -1,11 +1,9 @@
 """docs/quantization.md rendering from the results JSON (fast; no model)."""
 
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
-import quant_table as table  # noqa: E402  (lab/quant_table.py, the docs generator)
+import quant_table as table     # lab/quant_table.py, the docs generator (lab/tests/conftest.py puts lab/ on the path)
 
 
 def _metrics(algo, ppl, delta, **kw):

@@ -42,10 +42,14 @@ class BuildRun:
         self.cache = cache          # () -> ArtifactCache, opened on first use (a bad recipe needs no store)
         self.out, self.err = out, err
         self.statuses: dict[str, str] = {}
+        self.notes: dict[str, str] = {}           # recipes built from generated weights: what their gates mean
+        self.executor: dict | None = None   # report.json's "executor" (local, or the Ray cluster joined)
 
     # ------------------------------------------------------------ executors
     def local(self, recipes: list[str]) -> None:
         """Each recipe in turn on this machine; after a failure the rest only with --keep-going."""
+        from .report import local_executor
+        self.executor = local_executor()
         for name in recipes:
             t0 = time.perf_counter()
             r = None
@@ -70,7 +74,8 @@ class BuildRun:
 
     def ray(self, recipes: list[str], ray_address: str | None) -> None:
         """Every recipe's stages on the Ray cluster at once, each as soon as what it needs is done."""
-        from .ray_executor import SHARED_CACHE_NEEDED, RayBuild, connect
+        from .ray_executor import SHARED_CACHE_NEEDED, RayBuild, connect, executor_info
+        self.executor = executor_info(ray_address)
         runners, forced = [], {}
         for name in recipes:
             r = None
@@ -102,6 +107,7 @@ class BuildRun:
         try:
             joined = connect(ray_address)
             build = RayBuild(runners, forced, self.until, self.keep_going, on_stage=self._on_ray_stage)
+            self.executor = executor_info(ray_address, build.nodes)
             n, nodes = len(runners), len(build.nodes)
             self.err.print(f"[bold]forge build --executor ray[/]: {n} recipe{'s' if n != 1 else ''} on "
                            f"{escape(joined)} ({nodes} node{'s' if nodes != 1 else ''}), cache "
@@ -136,7 +142,7 @@ class BuildRun:
         from .report import build_report, overall_status, write_reports
         r = runner.recipe
         results += self.nightly.check(r, results)   # regression rules vs the last good night (never cached)
-        report = build_report(r, results, wall_s)
+        report = build_report(r, results, wall_s, self.executor)
         out = self.report_dir / r.name
         self.nightly.record(r, report, out / "report.json")
         self._write_safely(lambda: write_reports(report, out, self.out))
@@ -145,6 +151,8 @@ class BuildRun:
             if stage.out_link and stage.name in by_name:
                 self._write_safely(lambda: link(out / stage.out_link, by_name[stage.name].payload))
         self.statuses[r.name] = overall_status(results)
+        if report.get("note"):
+            self.notes[r.name] = report["note"]
         for x in results:
             if x.status == Status.CANNOT_RUN_HERE:
                 self.err.print(f"[yellow]{r.name}: stopped at '{x.name}':[/] {escape(x.message)}")
@@ -167,7 +175,8 @@ class BuildRun:
     def _not_started_reports(self, r, e: BaseException, wall_s: float) -> None:
         from .report import not_started_report, write_reports
         if r is not None:
-            self._write_safely(lambda: write_reports(not_started_report(r, e, wall_s), self.report_dir / r.name))
+            self._write_safely(lambda: write_reports(not_started_report(r, e, wall_s, self.executor),
+                                                     self.report_dir / r.name))
 
     def summary(self) -> None:
         """summary.json and a table of every recipe's outcome (a run of several recipes)."""
@@ -175,16 +184,17 @@ class BuildRun:
 
         from .report import write_summary
         self._write_safely(lambda: write_summary(self.statuses, self.report_dir))
-        t = Table("recipe", "status", title="nightly summary")
+        notes = self.notes
+        t = Table("recipe", "status", *(["note"] if notes else []), title="nightly summary")
         for k, v in self.statuses.items():
-            t.add_row(escape(shown(k)), v)
+            t.add_row(escape(shown(k)), v, *([escape(notes.get(k, ""))] if notes else []))
         self.out.print(t)
 
     # ------------------------------------------------------------ output
     def _on_stage(self, res) -> None:
         note = f" — {escape(res.message)}" if res.message else ""
         log = f" (log: {escape(res.log)})" if res.log else ""
-        where = f" ({escape(res.source)})" if res.source and res.source != "local" else ""
+        where = f" ({escape(res.origin['store'])})" if res.origin.get("how") == "shared" else ""
         self.err.print(f"  {res.name}: {res.status}{where}{note}{log}")
 
     def _on_ray_stage(self, recipe: str, res) -> None:

@@ -26,6 +26,7 @@ import contextlib
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -103,12 +104,23 @@ class Found:
     source: str
     entry: Entry | None = None
 
+    def origin(self) -> dict:
+        """Where a hit's output came from, as report.json says it (``stages[].origin``): this machine's local
+        layer, or the shared store (``fetched`` once it is downloaded here; ``built_by``: the host that published
+        it)."""
+        if self.source == "local":
+            return {"how": "local", "host": socket.gethostname()}
+        return {"how": "shared", "store": self.source, "fetched": False,
+                "built_by": (self.meta.get("publisher") or {}).get("host")}
+
 
 class ArtifactCache:
     def __init__(self, root: Path | None = None, remote=None):
         self.root = Path(root or default_root())
         self.remote = remote            # a pipeline.remote_cache.RemoteStore, or None (local only)
         self.notes: dict[str, str] = {}  # key -> what happened to the shared store's entry (said in the result)
+        self.set_aside: set[str] = set()  # keys whose shared entry this process set aside (they did not verify)
+        self.bad_blobs: set[str] = set()  # blobs (sha256) this process found missing or wrong in the shared store
         for sub in ("entries", "index", "locks", "tmp"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
 
@@ -206,13 +218,34 @@ class ArtifactCache:
                 try:
                     self.remote.fetch(key, rec, out)
                 except BadRemoteEntry as e:
-                    self.remote.discard(key, str(e))
-                    self.notes[key] = (f"the shared cache's entry did not verify ({e}): set aside in "
-                                       f"{self.remote.url}/quarantine/")
+                    self._set_aside_remote(key, rec, e)
                     return None
                 entry = self._commit_local(key, out, rec)
                 entry.source = self.remote.url
                 return entry
+
+    def _set_aside_remote(self, key: str, rec: dict, e) -> None:
+        """The shared entry ``key`` did not verify: set it aside, and with it every other record this process knows
+        that names one of its bad blobs (this run would trip over each of them next, one at a time)."""
+        self.remote.discard(key, str(e), expect=rec)
+        self.set_aside.add(key)
+        self.notes[key] = f"the shared cache's entry did not verify ({e}): set aside in {self.remote.url}/quarantine/"
+        self.bad_blobs |= e.blobs
+        self.set_aside_naming(e.blobs, f"{key[:16]}, {e}")
+
+    def set_aside_naming(self, blobs, found: str) -> set[str]:
+        """Set aside every shared record this process knows that names one of these bad blobs (``found``: where
+        they were found bad, and why). Returns their keys."""
+        out = set()
+        for key, rec in self.remote.known_naming(blobs).items():
+            if key in self.set_aside:
+                continue
+            self.remote.discard(key, f"names a blob that did not verify in {found}", expect=rec)
+            self.set_aside.add(key)
+            self.notes[key] = (f"set aside in {self.remote.url}/quarantine/: it names a blob that did not verify "
+                               f"in {found}")
+            out.add(key)
+        return out
 
     def _ensure_published(self, entry: Entry) -> None:
         """A local entry the shared store lacks (built offline, or set aside there) is published now."""
@@ -322,20 +355,34 @@ class ArtifactCache:
             "metrics": metrics or {},
         }
         if self.remote is not None:
-            from .remote_cache import BadRemoteEntry
             won, rec = self.remote.publish(key, payload, meta)
             if not won and rec["payload_digest"] != meta["payload_digest"]:
-                shutil.rmtree(payload)
-                payload.mkdir()
-                try:
-                    self.remote.fetch(key, rec, payload)
-                except BadRemoteEntry as e:
-                    self.remote.discard(key, str(e))
-                    raise ForgeError(f"another machine published {key[:16]} first but its entry does not verify ({e}); "
-                                     f"it is set aside now: run the build again") from None
-                self.notes[key] = "another machine published this key first: its entry is used"
+                rec = self._adopt(key, payload, rec, meta)
             meta = rec
         return self._commit_local(key, payload, meta)
+
+    def _adopt(self, key: str, payload: Path, rec: dict, meta: dict) -> dict:
+        """Another machine's record of ``key`` came first with other bytes: its payload replaces ours in
+        ``payload``, so every machine builds on one digest. If it does not verify, it is set aside and ours is
+        published in its place. Returns the record the entry is committed with."""
+        from .remote_cache import BadRemoteEntry
+        theirs = payload.parent / "theirs"
+        theirs.mkdir()
+        try:
+            self.remote.fetch(key, rec, theirs)
+        except BadRemoteEntry as e:
+            shutil.rmtree(theirs, ignore_errors=True)
+            self._set_aside_remote(key, rec, e)
+            won, mine = self.remote.publish(key, payload, meta)
+            if won or mine["payload_digest"] == meta["payload_digest"]:
+                self.notes[key] = f"another machine's entry came first but did not verify ({e}): ours replaced it"
+                return mine
+            raise ForgeError(f"another machine published {key[:16]} first, twice, and the first did not verify ({e}): "
+                             f"run the build again") from None
+        shutil.rmtree(payload)
+        theirs.rename(payload)
+        self.notes[key] = "another machine published this key first: its entry is used"
+        return rec
 
     # ------------------------------------------------------------ index (why did it change)
     def _index_file(self, recipe: str, stage: str) -> Path:

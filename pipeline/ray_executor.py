@@ -37,10 +37,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .cache import ArtifactCache, make_key
+from .cache import ArtifactCache, Found, make_key
 from .errors import ForgeError, UsageError
 from .hardware import ISA_RESOURCE_PREFIX, isa_resource, sm_resource
-from .runner import Runner
+from .runner import InputsSetAside, Runner
 from .stage_walk import StageResult, StageWalk
 
 MAX_RETRIES = 3                          # Ray re-runs a task whose worker or node died this many times
@@ -57,13 +57,18 @@ def _ray():
     return ray
 
 
+def _target(address: str | None) -> str | None:
+    """The cluster asked for: ``--ray-address``, else ``$RAY_ADDRESS``; None: forge starts one on this machine."""
+    return address or os.environ.get("RAY_ADDRESS") or None
+
+
 def connect(address: str | None) -> str:
     """Join the Ray cluster at ``address`` (else ``$RAY_ADDRESS``; else start one on this machine, which ends with
     this process). Returns a description of what was joined."""
     ray = _ray()
     if ray.is_initialized():
         return "the Ray cluster already joined"
-    target = address or os.environ.get("RAY_ADDRESS") or None
+    target = _target(address)
     host, _, port = (target or "").rpartition(":")
     if host and port.isdigit() and "://" not in target:
         try:        # ray.init retries a dead address for minutes: say so in seconds
@@ -93,6 +98,18 @@ class Node:
 
     def label(self) -> str:
         return f"{self.ip} ({self.id[:8]})"
+
+
+def executor_info(address: str | None, nodes: list["Node"] | None = None) -> dict:
+    """report.json's ``executor`` of a build on Ray: the cluster asked for (``requested``: --ray-address /
+    RAY_ADDRESS; None when forge started a Ray instance on this machine), the address of the cluster joined (its
+    GCS, once joined), the driver's host and the nodes that were alive at the start."""
+    out = {"kind": "ray", "requested": _target(address), "address": None, "driver": socket.gethostname()}
+    if nodes is not None:
+        ray = _ray()
+        out["address"] = ray.get_runtime_context().gcs_address if ray.is_initialized() else out["requested"]
+        out["nodes"] = [{"id": n.id, "ip": n.ip} for n in nodes]
+    return out
 
 
 def cluster_nodes() -> list[Node]:
@@ -162,6 +179,8 @@ def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool
                 error_type="HardwareMismatch")
             res.node = node
             return {"result": asdict(res), "digest": None, "log_text": None}
+        set_aside: list[str] = []
+        bad_blobs: list[str] = []
         try:
             remote = RemoteStore(cache_url)
             remote.probe()
@@ -171,7 +190,18 @@ def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool
                               error_type=type(e).__name__)
             digest = None
         else:
-            res, digest = runner.run_after(stage, upstream, forced)
+            try:
+                res, digest = runner.run_after(stage, upstream, forced)
+            except InputsSetAside as e:     # the driver rebuilds them, then sends this stage again
+                res, digest, set_aside = StageResult(stage_name, "skipped", message=f"{e}: set aside, rebuilding it",
+                                                     error_type=type(e).__name__), None, e.stages
+                bad_blobs = sorted(runner.cache.bad_blobs)
+            except ForgeError as e:         # the store failed under it while its inputs were fetched
+                res = StageResult(stage_name, "failed", message=f"on node {node['ip']} ({node['host']}): {e}",
+                                  error_type=type(e).__name__)
+                digest = None
+        if res.origin.get("how") == "built":
+            res.origin.update(node=node["id"], ip=node["ip"])
         log_text = None
         if res.log:
             try:
@@ -179,7 +209,8 @@ def run_stage_task(recipe, stages, stage_name: str, upstream: dict, forced: bool
             except OSError:
                 pass
         res.node = node
-        return {"result": asdict(res), "digest": digest, "log_text": log_text}
+        return {"result": asdict(res), "digest": digest, "log_text": log_text, "set_aside": set_aside,
+                "bad_blobs": bad_blobs}
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
 
@@ -190,6 +221,8 @@ class _Recipe:
     runner: Runner
     walk: StageWalk          # what may start, what is skipped: the same walk the local executor takes
     wall_s: float = 0.0      # from the start of the run to this recipe's last result
+    set_aside: set = None    # stages whose entries a task set aside (did not verify): rebuilt by a next pass
+    again: bool = False      # a task set aside something new: walk the recipe once more when this pass ends
 
 
 class RayBuild:
@@ -212,9 +245,18 @@ class RayBuild:
         self.halted = False              # a failure without --keep-going: nothing new is submitted
 
     def _recipe(self, runner: Runner, forced: set, until: str | None) -> _Recipe:
-        st = _Recipe(runner, StageWalk(runner.stages, forced, until))
+        st = _Recipe(runner, StageWalk(runner.stages, forced, until), set_aside=set())
         st.walk.on_result = lambda res: self._finished(st, res)
         return st
+
+    def _walk_again(self, st: _Recipe) -> None:
+        """A next pass of a recipe whose inputs were set aside: they are misses now and are rebuilt. A stage
+        forced (--force/--from) and built in the last pass is not forced again."""
+        last = st.walk
+        forced = {n for n in last.forced if not (n in last.results and last.results[n].status == "built")}
+        st.walk = StageWalk(st.runner.stages, forced, last.until)
+        st.walk.on_result = lambda res: self._finished(st, res)
+        st.again = False
 
     def run(self) -> list[tuple[list[StageResult] | None, float]]:
         """(results in stage order, wall seconds) per recipe in the order given; results None for a recipe cut
@@ -223,10 +265,17 @@ class RayBuild:
         try:
             for st in self.recipes:
                 self._advance(st)
-            while self.by_ref:
-                ready, _ = self.ray.wait(list(self.by_ref), num_returns=1)
-                self._collect(ready[0])
-                for st in self.recipes:
+            while True:
+                while self.by_ref:
+                    ready, _ = self.ray.wait(list(self.by_ref), num_returns=1)
+                    self._collect(ready[0])
+                    for st in self.recipes:
+                        self._advance(st)
+                again = [st for st in self.recipes if st.again and not self.halted]
+                if not again:
+                    break
+                for st in again:    # each pass sets aside stages no earlier pass did, so this ends
+                    self._walk_again(st)
                     self._advance(st)
         except KeyboardInterrupt:
             for ref in list(self.by_ref):   # each task's writer removes its temp dir on the interrupt
@@ -253,6 +302,8 @@ class RayBuild:
             entry = None
             res.message = (res.message + "; " if res.message else "") + f"not fetched to this machine: {e}"
         res.payload = str(entry.payload) if entry is not None else self.cache.remote.record_url(res.key)
+        if entry is not None and entry.source != "local" and res.origin.get("how") == "shared":
+            res.origin["fetched"] = True
 
     def _finished(self, st: _Recipe, res: StageResult) -> None:
         if res.status == "failed" and not self.keep_going:
@@ -281,7 +332,8 @@ class RayBuild:
                     if found == "local":    # only the driver has it: publish it, workers fetch from the store
                         self.cache.get(key)
                     walk.finish(StageResult(s.name, "hit", key, metrics=meta.get("metrics", {}),
-                                            payload=self.cache.remote.record_url(key)), meta["payload_digest"])
+                                            payload=self.cache.remote.record_url(key),
+                                            origin=Found(key, meta, found).origin()), meta["payload_digest"])
                     continue
             missing, _ = place(s, r, self.nodes)
             if missing:
@@ -305,15 +357,26 @@ class RayBuild:
         try:
             out = self.ray.get(ref)
             base = StageResult(**out["result"])
-            digest, log_text = out["digest"], out["log_text"]
+            digest, log_text, set_aside = out["digest"], out["log_text"], set(out.get("set_aside") or ())
         except Exception as e:              # the task itself was lost (retries spent) or could not run
             text = str(e).strip().splitlines()
             base = StageResult(waiters[0][1], "failed", key, message=f"the Ray task was lost after {MAX_RETRIES} "
                                f"retries: {type(e).__name__}: {text[0][:500] if text else ''}", error_type=type(e).__name__)
-            digest, log_text = None, None
+            digest, log_text, set_aside, out = None, None, set(), {}
+        # the driver looked up every hit: it sets aside the other records it knows that name the task's bad blobs
+        gone = self.cache.set_aside_naming(set(out.get("bad_blobs") or ()), f"an input of {waiters[0][1]}") \
+            if set_aside else set()
         first = True
         for st, name in waiters:
             res = StageResult(**{**asdict(base), "name": name})
+            names = set_aside | {n for n, r in st.walk.results.items() if r.key in gone}
+            if names and names <= st.set_aside:     # rebuilt by an earlier pass and bad again
+                res.status = "failed"
+                res.message = (f"{base.message.removesuffix(': set aside, rebuilding it')} again after it was "
+                               f"rebuilt: build again")
+            elif names:
+                st.set_aside |= names
+                st.again = True
             if not first and res.status == "built":   # the same key for another recipe: built once, here a hit
                 res.status, res.duration_s, res.peak_rss_mb = "hit", 0.0, 0.0
                 res.message = f"built once in this run for {waiters[0][0].runner.recipe.name}"

@@ -31,19 +31,26 @@ Layout under ``<scheme>://<bucket>/<prefix>`` (record format 2, content-addresse
                                              and ``dirs`` (empty folders, which an object store cannot hold)
     index/<recipe>/<stage>.json              the last key built for a recipe's stage (gc --keep, plan's "why")
     quarantine/<k>.<time>.json               records set aside because their payload did not verify
+    quarantine/blobs/<s>.json                a blob found with bytes that are not its name (the next publisher
+                                             of those bytes uploads them over it)
     objects/<k[:2]>/<k>/<upload>/<file>...   format 1 (before blobs): read and verified as before, never written
 
-Publishing (``publish``): upload the blobs the store lacks, then create the record with the conditional create.
+Publishing (``publish``): upload the blobs the store lacks, holds with another size (truncated) or has marked
+bad, then create the record with the conditional create.
 The record is one small object written in one request, so a reader sees either no entry or a complete one; a
 blob no record names (publisher killed, lost race with other bytes) is never read and ``gc`` removes it once it
 is older than the grace period. Two publishers of one key: the first record wins; the second adopts the winner's
 entry (its own bytes may differ if the stage is not bit-reproducible; the winner's digest is what every machine
-then builds on). Blobs are never deleted by a publisher: another record may name the same bytes.
+then builds on). Blobs are never deleted by a publisher: another record may name the same bytes. A blob is only
+ever written with the bytes its name says, so two machines that re-upload one race harmlessly.
 
 Reading (``fetch``): download the blobs the record names (each distinct one once), recreate its empty folders,
-check each file's sha256, the folder list and the tree digest; anything else is a bad entry, which the caller
-sets aside (``discard``) and rebuilds. A ``gc`` that removes a blob while a publisher counts on it makes that
-entry bad the same way: set aside and rebuilt once, never served.
+check each file's sha256, the folder list and the tree digest; anything else is a bad entry (BadRemoteEntry names
+the missing or wrong blobs), which the caller sets aside (``discard``) together with every record it knows that
+names one of those blobs, and rebuilds. A blob with wrong bytes is marked bad rather than deleted: a delete could
+land after another machine had already re-uploaded the right bytes. ``discard`` leaves a record that is not the
+one found bad (rebuilt by another machine meanwhile). A ``gc`` that removes a blob while a publisher counts on it
+makes that entry bad the same way: set aside and rebuilt, never served.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ import contextlib
 import datetime as _dt
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -74,9 +82,50 @@ ORPHAN_GRACE_S = 24 * 3600      # an upload without a record may still be in fli
 OFFLINE_HINT = "or build with the local cache only: --cache-offline"
 _CONNECTION_ERRORS = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
                       "ClientConnectorError", "ClientConnectionError", "ServerDisconnectedError", "ServiceRequestError",
-                      "ServiceResponseError", "TransportError", "ProxyConnectionError", "ClientOSError"}
+                      "ServiceResponseError", "TransportError", "ProxyConnectionError", "ClientOSError",
+                      # the connection broke in the middle of a response body (the server died mid-download)
+                      "ClientPayloadError", "IncompleteReadError", "ResponseStreamingError"}
 _CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
                       "DefaultCredentialsError", "ClientAuthenticationError", "RefreshError"}
+
+
+log = logging.getLogger(__name__)
+
+
+def quiet_orphaned_io_errors(loop) -> None:
+    """Keep a dead connection's leftovers off stderr on the event loop that runs the store's calls (fsspec's IO
+    loop: s3fs, gcsfs and adlfs run every request there).
+
+    The cause is in aiohttp (3.14.5, aiohttp/client_reqrep.py): a request with a body writes it from a task of
+    its own, ``ClientRequest.write_bytes``. When the connection dies under it (the server killed, a reset) while
+    it sends the ``Expect: 100-continue`` preamble (botocore/handlers.py ``add_expect_header`` asks for one on
+    every S3 PUT of a file body) or the final chunk, the task ends with that error outside the handlers that hand
+    it to the response. The response fails too (that error is what s3fs raises and forge reports in one line),
+    and ``ClientResponse._cleanup_writer`` then cancels the writer task, which does nothing to a finished task:
+    its error is never retrieved, and asyncio prints it with a traceback when the task is collected ("Task
+    exception was never retrieved"; aio-libs/aiohttp PRs #13427 and #13579, open, discuss this path). Such a
+    connection error on this loop is logged at debug level here; anything else goes to the handler that was
+    there."""
+    before = loop.get_exception_handler()
+    if getattr(before, "forge_quiet", False):
+        return
+    try:
+        from aiohttp import ClientError
+    except ImportError:             # gcsfs and adlfs use aiohttp too; without it only OSError can be left over
+        ClientError = OSError      # noqa: N806
+
+    def handler(loop, context):
+        exc = context.get("exception")
+        if "never retrieved" in str(context.get("message", "")) and isinstance(exc, (OSError, ClientError)):
+            log.debug("a store request's connection error, already reported by the request: %r", exc)
+            return
+        if before is not None:
+            before(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    handler.forge_quiet = True
+    loop.set_exception_handler(handler)
 
 
 class RemoteError(ForgeError):
@@ -84,7 +133,12 @@ class RemoteError(ForgeError):
 
 
 class BadRemoteEntry(Exception):
-    """A record whose payload does not verify (missing object, wrong bytes, garbled record)."""
+    """A record whose payload does not verify (missing object, wrong bytes, garbled record). ``blobs``: the sha256
+    of each blob found missing or wrong (every record naming one of them is as bad)."""
+
+    def __init__(self, message: str, blobs=()):
+        super().__init__(message)
+        self.blobs = frozenset(blobs)
 
 
 def _mtime(info: dict) -> float | None:
@@ -99,6 +153,16 @@ def _mtime(info: dict) -> float | None:
             with contextlib.suppress(ValueError):
                 return _dt.datetime.fromisoformat(v.replace("Z", "+00:00")).timestamp()
     return None
+
+
+def _same_record(raw: bytes, rec: dict) -> bool:
+    """Whether ``raw`` is the record ``rec`` (one publish: same digest, time and publisher), not a newer one."""
+    try:
+        now = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return True             # garbled: whatever it was, it is not a newer good record
+    ident = lambda r: (r.get("payload_digest"), str(r.get("created")), json.dumps(r.get("publisher"), sort_keys=True))  # noqa: E731
+    return not isinstance(now, dict) or ident(now) == ident(rec)
 
 
 class RemoteStore:
@@ -120,6 +184,7 @@ class RemoteStore:
         self.bucket = rest.split("/", 1)[0]
         self._fs = fs
         self._confirmed: set[str] = set()   # keys whose record this process has seen (no second look needed)
+        self._records: dict[str, dict] = {}  # key -> the record this process read or wrote (who names which blob)
 
     # ------------------------------------------------------------ connection
     @property
@@ -131,6 +196,8 @@ class RemoteStore:
             except ImportError:
                 raise UsageError(f"FORGE_CACHE={self.url} needs {self.package}: pip install 'forge-engine[{self.extra}]' "
                                  f"(or `make setup`)") from None
+            if getattr(self._fs, "async_impl", False) and getattr(self._fs, "loop", None) is not None:
+                quiet_orphaned_io_errors(self._fs.loop)
         return self._fs
 
     def _storage_options(self) -> dict:
@@ -215,6 +282,9 @@ class RemoteStore:
     def _blob_path(self, sha: str) -> str:
         return f"{self.root}/blobs/{sha[:2]}/{sha}"
 
+    def _bad_blob_marker(self, sha: str) -> str:
+        return f"{self.root}/quarantine/blobs/{sha}.json"
+
     def _object_of(self, key: str, rec: dict, rel: str) -> str:
         """Where the bytes of payload file ``rel`` of record ``rec`` are (format 2: a blob; 1: the upload)."""
         if rec.get("format", 1) >= 2:
@@ -238,7 +308,13 @@ class RemoteStore:
             self.discard(key, str(e))
             return None
         self._confirmed.add(key)
+        self._records[key] = rec
         return rec
+
+    def known_naming(self, blobs) -> dict[str, dict]:
+        """``{key: record}`` of every record this process has read or written that names one of these blobs."""
+        return {k: r for k, r in self._records.items() if r.get("format", 1) >= 2
+                and any(f["sha256"] in blobs for f in r["files"].values())}
 
     @staticmethod
     def _parse(key: str, raw: bytes) -> dict:
@@ -266,8 +342,12 @@ class RemoteStore:
 
     def fetch(self, key: str, rec: dict, dest: Path) -> None:
         """Download the payload ``rec`` describes into the empty directory ``dest`` and verify every byte.
-        BadRemoteEntry when an object is missing or differs (the caller sets the entry aside)."""
+        BadRemoteEntry when an object is missing or differs, naming every such blob (the caller sets aside each
+        entry that names one). A blob whose bytes are not its name is marked bad (quarantine/blobs/), never
+        deleted here: the next publisher of those bytes overwrites it, and a blob another machine healed meanwhile
+        is left alone (a delete would race that upload)."""
         files = rec["files"]
+        fmt2 = rec.get("format", 1) >= 2
         first: dict[str, str] = {}      # object -> the first file downloaded from it (the others are copies)
         for rel in sorted(files):
             first.setdefault(self._object_of(key, rec, rel), rel)
@@ -278,7 +358,10 @@ class RemoteStore:
                 try:
                     self.fs.get(list(first), [str(dest / rel) for rel in first.values()])
                 except FileNotFoundError as e:
-                    raise BadRemoteEntry(f"payload object missing: {e}") from None
+                    gone = [rel for obj, rel in sorted(first.items(), key=lambda x: x[1]) if not self.fs.exists(obj)]
+                    what = f"{gone[0]}{f' and {len(gone) - 1} more' if len(gone) > 1 else ''}" if gone else e
+                    raise BadRemoteEntry(f"payload object missing: {what}",
+                                         {files[rel]["sha256"] for rel in gone} if fmt2 else ()) from None
             for rel in files:
                 src = first.get(self._object_of(key, rec, rel))
                 if src is not None and src != rel and (dest / src).is_file():
@@ -288,17 +371,35 @@ class RemoteStore:
         got = tree_listing(dest, use_stat_cache=False)
         missing = sorted(set(files) - set(got))
         if missing:
-            raise BadRemoteEntry(f"payload object missing: {missing[0]}")
-        for rel, want in files.items():
-            if got[rel] != want["sha256"]:
-                if rec.get("format", 1) >= 2:   # a blob whose bytes are not its name is wrong for every record
-                    with self._errors(f"removing a bad blob of {key[:16]} from"), \
-                            contextlib.suppress(FileNotFoundError):
-                        self.fs.rm_file(self._object_of(key, rec, rel))     # so a rebuild uploads it again
-                raise BadRemoteEntry(f"payload file {rel} differs from its record (sha256 {got[rel][:12]}..., "
-                                     f"recorded {want['sha256'][:12]}...)")
+            raise BadRemoteEntry(f"payload object missing: {missing[0]}",
+                                 {files[rel]["sha256"] for rel in missing} if fmt2 else ())
+        wrong = sorted(rel for rel, want in files.items() if got[rel] != want["sha256"])
+        if wrong:
+            rel = wrong[0]
+            why = (f"payload file {rel}{f' and {len(wrong) - 1} more' if len(wrong) > 1 else ''} differs from its "
+                   f"record (sha256 {got[rel][:12]}..., recorded {files[rel]['sha256'][:12]}...)")
+            bad = {files[r]["sha256"] for r in wrong} if fmt2 else set()
+            self.mark_bad(bad, f"{why}, found fetching {key[:16]}")
+            raise BadRemoteEntry(why, bad)
         if listing_digest(got, empty_dirs(dest)) != rec["payload_digest"]:
             raise BadRemoteEntry("payload digest mismatch")
+
+    def mark_bad(self, blobs, why: str) -> None:
+        """Mark blobs whose bytes are not their name (quarantine/blobs/<sha>.json), so that the next publisher of
+        the right bytes uploads them over the bad ones whichever machine it runs on."""
+        note = json.dumps({"reason": why, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "by": socket.gethostname()}).encode()
+        with self._errors("marking a bad blob in"):
+            for sha in sorted(blobs):
+                self.fs.pipe_file(self._bad_blob_marker(sha), note)
+
+    def _marked_bad(self) -> set[str]:
+        """The blobs marked bad (one listing)."""
+        try:
+            paths = self.fs.ls(f"{self.root}/quarantine/blobs", detail=False)
+        except FileNotFoundError:
+            return set()
+        return {p.rsplit("/", 1)[-1].removesuffix(".json") for p in paths if p.endswith(".json")}
 
     # ------------------------------------------------------------ writing
     def publish(self, key: str, payload: Path, meta: dict) -> tuple[bool, dict]:
@@ -311,12 +412,18 @@ class RemoteStore:
         files = {rel: {"sha256": sha, "size": (payload / rel).stat().st_size} for rel, sha in listing.items()}
         todo: dict[str, str] = {}       # blob -> a local file with its bytes, for each blob the store lacks
         with self._errors(f"uploading {key[:16]} to"):
+            marked = self._marked_bad()
             for rel, sha in sorted(listing.items()):
                 blob = self._blob_path(sha)
-                if blob not in todo and not self.fs.exists(blob):
+                # a blob marked bad, missing, or of another size (truncated) is uploaded over: these bytes are
+                # its name, so whoever writes them writes the same object
+                if blob not in todo and (sha in marked or self._size(blob) != files[rel]["size"]):
                     todo[blob] = str(payload / rel)
             if todo:
                 self.fs.put(list(todo.values()), list(todo))
+            for sha in sorted(marked & {b.rsplit("/", 1)[-1] for b in todo}):
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm_file(self._bad_blob_marker(sha))
         record = dict(meta, format=RECORD_FORMAT, files=files, dirs=dirs,
                       publisher={"host": socket.gethostname(), "pid": os.getpid()})
         record.pop("upload", None)
@@ -335,6 +442,7 @@ class RemoteStore:
                 won = False
         if won:
             self._confirmed.add(key)
+            self._records[key] = record
             return True, record
         winner = self.record(key)
         if winner is None:
@@ -342,25 +450,38 @@ class RemoteStore:
                               f"(set aside by another machine?): run the build again")
         return False, winner
 
+    def _size(self, path: str) -> int | None:
+        """An object's size; None when there is none."""
+        try:
+            return int(self.fs.info(path)["size"])
+        except FileNotFoundError:
+            return None
+
     def has(self, key: str) -> bool:
         return key in self._confirmed or self.record(key) is not None
 
-    def discard(self, key: str, why: str) -> None:
+    def discard(self, key: str, why: str, expect: dict | None = None) -> bool:
         """Set a bad record aside (quarantine/) so the entry is a miss everywhere and gets rebuilt. Its payload
-        objects are left to gc (a reader may be downloading them)."""
+        objects are left to gc (a reader may be downloading them). ``expect``: the record found bad; a record of
+        the key that is not that one (another machine rebuilt and published it meanwhile) is left alone. True when
+        a record was set aside."""
         path = self._record_path(key)
         self._confirmed.discard(key)
+        self._records.pop(key, None)
         with self._errors(f"setting aside the bad entry {key[:16]} in"):
             try:
                 raw = self.fs.cat_file(path)
             except FileNotFoundError:
-                return
+                return False
+            if expect is not None and not _same_record(raw, expect):
+                return False
             note = json.dumps({"key": key, "reason": why, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                "record": raw.decode("utf-8", "replace")}, indent=1).encode()
             self.fs.pipe_file(f"{self.root}/quarantine/{key}.{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-"
                               f"{uuid.uuid4().hex[:6]}.json", note)
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm_file(path)
+        return True
 
     def _delete(self, prefix: str) -> None:
         with contextlib.suppress(FileNotFoundError):

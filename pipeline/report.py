@@ -6,6 +6,7 @@ import io
 import json
 import math
 import platform
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -44,8 +45,25 @@ def _clean(obj):
     return obj
 
 
-def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> dict:
-    return _clean({
+def model_note(recipe: Recipe) -> str | None:
+    """What a report says first about a model with generated weights (model.source random:...); None otherwise."""
+    from . import random_weights
+    m = recipe.model
+    if not random_weights.is_random(m.source):
+        return None
+    return (f"{random_weights.NOTE} (model.source {m.source}, seed {m.seed}, "
+            f"{'layers ' + str(m.layers) if m.layers is not None else 'all layers'})")
+
+
+def local_executor() -> dict:
+    """report.json's ``executor`` of a build on this machine (Ray's: ray_executor.executor_info)."""
+    return {"kind": "local", "host": socket.gethostname()}
+
+
+def build_report(recipe: Recipe, results: list[StageResult], wall_s: float, executor: dict | None = None) -> dict:
+    """``executor``: how the night was built (local_executor(), or the Ray cluster); each stage's ``origin`` says
+    where its output came from (stage_walk.StageResult)."""
+    report = {
         "recipe": recipe.name,
         "recipe_hash": recipe.hash,
         "target": recipe.build.target,
@@ -53,16 +71,20 @@ def build_report(recipe: Recipe, results: list[StageResult], wall_s: float) -> d
         "wall_s": round(wall_s, 3),
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": machine(),
+        "executor": executor or local_executor(),
         "stages": [asdict(r) | {"duration_s": round(r.duration_s, 3), "peak_rss_mb": round(r.peak_rss_mb, 1)}
                    for r in results],
-    })
+    }
+    if (note := model_note(recipe)) is not None:
+        report["note"] = note
+    return _clean(report)
 
 
-def not_started_report(recipe: Recipe, error: BaseException, wall_s: float) -> dict:
+def not_started_report(recipe: Recipe, error: BaseException, wall_s: float, executor: dict | None = None) -> dict:
     """report.json of a recipe that resolved but could not start its stages (the shared store cannot be opened,
     the disk is full, the Ray cluster cannot be reached): one failed step, ``start``, says why."""
     return build_report(recipe, [StageResult("start", Status.FAILED, message=str(error) or type(error).__name__,
-                                             error_type=type(error).__name__)], wall_s)
+                                             error_type=type(error).__name__)], wall_s, executor)
 
 
 def report_dir_name(name: str) -> str:
@@ -151,7 +173,12 @@ def write_reports(report: dict, out_dir: Path, console: Console | None = None) -
     atomic_write(out_dir / "report.json", json.dumps(report, indent=2, default=str))
     atomic_write(out_dir / "junit.xml", junit_xml(report))
     c = make_console(record=True, file=io.StringIO())   # a file: no line is wrapped
+    note = f"note: {report['note']}" if report.get("note") else None
     c.print(summary_table(report))
+    if note:
+        c.print(escape(note))
     atomic_write(out_dir / "summary.txt", c.export_text())
     if console:
         console.print(summary_table(report))
+        if note:
+            console.print(escape(note))

@@ -12,10 +12,11 @@ from .diskspace import check_free_space, disk_full, no_space_message
 from .host.paths import forge_home
 from .host.rss import PeakRss
 from .errors import CannotRunHere, ForgeError, RecipeError, StageFailed, UsageError
+from . import random_weights
 from .modelinfo import ModelInfo
 from .recipe import Recipe
 from .stages import flow_for
-from .stage_walk import StageResult, StageWalk, forced_stages
+from .stage_walk import StageResult, StageWalk, built_here, forced_stages
 from .stages.base import Stage, StageContext
 from .status import Status
 
@@ -32,11 +33,22 @@ class StagePlan:
 
 
 class _InputsCorrupt(Exception):
-    """A stage that hands artifacts off found one of its inputs changed on disk (set aside; rebuild)."""
+    """Entries of these stages were set aside in this pass (an input changed on disk; the shared store's entry did
+    not verify, with every entry naming the same bad blob): the next pass rebuilds them."""
 
-    def __init__(self, stages: list[str]):
-        self.stages = stages
-        super().__init__(", ".join(stages))
+    def __init__(self, stages, why: str):
+        self.stages = sorted(stages)
+        self.why = why
+        super().__init__(f"{', '.join(self.stages)}: {why}")
+
+
+class InputsSetAside(ForgeError):
+    """--executor ray: what a stage needs is not in the cache (set aside because it did not verify, or removed):
+    the driver rebuilds ``stages`` and runs the stage again."""
+
+    def __init__(self, stages, message: str):
+        self.stages = sorted(stages)
+        super().__init__(message)
 
 
 def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = None) -> ModelInfo | None:
@@ -44,6 +56,10 @@ def model_info_for(recipe: Recipe, home: Path, source_payload: Path | None = Non
     if source_payload is not None and (source_payload / "tokenizer" / "config.json").exists():
         return ModelInfo.from_dir(source_payload / "tokenizer")
     src = recipe.model.source
+    if random_weights.is_random(src):          # the bundled config at the recipe's depth
+        name = random_weights.config_name(src)
+        return ModelInfo.from_hf_config(random_weights.model_config(
+            name, random_weights.effective_layers(name, recipe.model.layers)))
     if Path(src).is_dir() and (Path(src) / "config.json").exists():
         return ModelInfo.from_dir(src)
     for name in (recipe.model.config, src.removeprefix("builtin:")):
@@ -62,6 +78,9 @@ class Runner:
         self.verify = verify
         self._found: dict[str, object] = {}     # key -> cache.Found of this run's hits
         self._pending: dict[str, str] = {}      # stage -> key of a hit in the shared store not downloaded yet
+        self._keys: dict[str, str] = {}         # stage -> its key in this pass
+        self._fetched: set[str] = set()         # stages whose shared entry this pass downloaded
+        self._built: set[str] = set()           # stages this pass built
         self.cache = cache or open_cache()
         self.home = Path(home or forge_home())
         self.stages: list[Stage] = stages if stages is not None else flow_for(recipe.build.target)
@@ -158,29 +177,36 @@ class Runner:
         if problems:
             raise RecipeError(problems)
         self.cache.clean_stale_tmp()
-        try:
-            return self._build_once(forced, until, on_stage)
-        except _InputsCorrupt:
-            # what a package stage was about to hand off changed on disk: those entries are set aside now, so
-            # a second pass rebuilds them (a stage that was bit-identical hits again) and then packages
-            return self._build_once(forced, until, on_stage, retry=True)
+        set_aside: set[str] = set()
+        while True:
+            try:
+                return self._build_once(forced, until, on_stage, frozenset(set_aside))
+            except _InputsCorrupt as e:
+                # entries this pass needed were set aside (changed on disk; did not verify in the shared store,
+                # with every entry naming the same bad blob): the next pass rebuilds them (a stage that is
+                # bit-identical hits again). Each pass sets aside stages no earlier pass did, so this ends.
+                set_aside |= set(e.stages)
+                forced = forced - self._built       # --force/--from: what the last pass built is not built twice
 
-    def _build_once(self, forced: set[str], until: str | None, on_stage, retry: bool = False) -> list[StageResult]:
-        """The local executor: the walk's ready stages run here, one at a time, in flow order."""
+    def _build_once(self, forced: set[str], until: str | None, on_stage,
+                    set_aside: frozenset = frozenset()) -> list[StageResult]:
+        """The local executor: the walk's ready stages run here, one at a time, in flow order. ``set_aside``: the
+        stages whose entries earlier passes set aside (one that is bad again now is an error, not another pass)."""
         walk = StageWalk(self.stages, forced, until, on_result=on_stage)
         payloads: dict[str, Path] = {}
         self._components: dict[str, dict] = {}
-        self._pending, self._found = {}, {}
+        self._pending, self._found, self._keys, self._fetched, self._built = {}, {}, {}, set(), set()
         while (s := walk.next()) is not None:
             try:
                 res = self._run_stage(s, walk.digests(), payloads, walk.metrics(), s.name in forced,
-                                      walk.keys(s.needs), retry)
-            except _InputsCorrupt:
+                                      walk.keys(s.needs), set_aside)
+            except _InputsCorrupt as e:
                 if on_stage:
-                    on_stage(StageResult(s.name, Status.SKIPPED, message="an input changed on disk since it was cached: "
-                                                                    "set aside, rebuilding it"))
+                    on_stage(StageResult(s.name, Status.SKIPPED, message=e.why))
                 raise
             res.components = self._components.get(s.name)
+            if res.status == Status.BUILT:
+                self._built.add(s.name)
             digest = None
             if res.status in (Status.HIT, Status.BUILT):
                 try:
@@ -196,38 +222,51 @@ class Runner:
                     res = self._failed(s, res.key, 0.0, 0.0, e)
             walk.finish(res, digest)
         results = walk.in_order()
-        self._fetch_outputs(results, payloads, retry)
+        self._fetch_outputs(results, payloads, set_aside, on_stage)
+        for res in results:     # hits in the shared store that this run downloaded
+            if res.name in self._fetched and res.origin.get("how") == "shared":
+                res.origin["fetched"] = True
         return results
 
-    def _fetch_outputs(self, results: list[StageResult], payloads: dict[str, Path], retry: bool) -> None:
-        """Download what this build hands over (its hand-off stages, and the last stage it completed) when it is
-        only in the shared store; every other hit stays there (nothing here read it)."""
+    def _fetch_outputs(self, results: list[StageResult], payloads: dict[str, Path], set_aside: frozenset,
+                       on_stage=None) -> None:
+        """Download what this build hands over (its hand-off stages, and the last stage it completed unless one
+        after it failed) when it is only in the shared store; every other hit stays there (nothing here read it)."""
         done = [r for r in results if r.status in (Status.HIT, Status.BUILT)]
-        wanted = {s.name for s in self.stages if s.hands_off} | ({done[-1].name} if done else set())
+        failed = any(r.status == Status.FAILED for r in results)
+        wanted = {s.name for s in self.stages if s.hands_off} | ({done[-1].name} if done and not failed else set())
         for res in done:
             if res.name not in wanted or res.name not in self._pending:
                 continue
             try:
-                self._materialise([res.name], payloads, retry)
+                self._materialise([res.name], payloads, set_aside)
                 res.payload = str(payloads[res.name])
+            except _InputsCorrupt as e:
+                if on_stage:
+                    on_stage(StageResult(res.name, Status.SKIPPED, message=e.why))
+                raise
             except ForgeError as e:
                 i = results.index(res)
                 results[i] = self._failed(next(s for s in self.stages if s.name == res.name), res.key, 0.0, 0.0, e)
 
-    def _materialise(self, names, payloads: dict[str, Path], retry: bool) -> None:
+    def _materialise(self, names, payloads: dict[str, Path], set_aside: frozenset) -> None:
         """Download the shared store's entries of these stages that this run found there but has not fetched. One
-        that did not verify is set aside there (cache.notes says why): the build's second pass rebuilds it."""
+        that did not verify is set aside there (cache.notes says why), with every entry naming the same bad blob:
+        the build's next pass rebuilds each stage of this build among them."""
         for n in names:
             key = self._pending.get(n)
             if key is None:
                 continue
             entry = self.cache.get(key, use_stat_cache=not self.verify)
-            if entry is None and not retry:
-                raise _InputsCorrupt([n])
             if entry is None:
+                gone = {n} | {m for m, k in self._keys.items() if k in self.cache.set_aside}
+                if gone - set_aside:
+                    raise _InputsCorrupt(gone - set_aside, f"{', '.join(sorted(gone))}: "
+                                         f"{self.cache.notes.get(key) or 'gone from the shared cache'}; rebuilding")
                 raise ForgeError(f"the output of {n} ({key[:16]}) was in {self.cache.location} a moment ago but "
                                  f"{self.cache.notes.get(key) or 'is gone now'}; build again")
             del self._pending[n]
+            self._fetched.add(n)
             payloads[n] = entry.payload
 
     def _hit(self, s: Stage, key: str, comps: dict, t0: float | None = None) -> StageResult | None:
@@ -239,16 +278,16 @@ class Runner:
         self.cache.record(self.recipe.name, s.name, key, comps)
         return StageResult(s.name, Status.HIT, key, time.perf_counter() - t0 if t0 else 0.0,
                            metrics=found.meta.get("metrics", {}),
-                           payload=str(found.entry.payload) if found.entry else None, source=found.source)
+                           payload=str(found.entry.payload) if found.entry else None, origin=found.origin())
 
     def _run_stage(self, s: Stage, digests, payloads, metrics, forced: bool, input_keys: dict[str, str],
-                   retry: bool) -> StageResult:
+                   set_aside: frozenset = frozenset()) -> StageResult:
         t0 = time.perf_counter()
         key = need = None
         sampler = PeakRss()
         try:
             comps = self._components[s.name] = s.components(self.recipe, self.home, digests)
-            key = make_key(comps)
+            key = self._keys[s.name] = make_key(comps)
             if not forced:
                 hit = self._hit(s, key, comps)
                 if hit is not None:
@@ -262,9 +301,9 @@ class Runner:
                     hit = self._hit(s, key, comps, t0)  # a concurrent run may have built it while we waited
                     if hit is not None:
                         return hit
-                self._materialise([*s.needs, "source"], payloads, retry)  # what it reads, downloaded only now
+                self._materialise([*s.needs, "source"], payloads, set_aside)  # what it reads, downloaded only now
                 if s.hands_off:
-                    self._verify_inputs(s, input_keys, retry)
+                    self._verify_inputs(s, input_keys, set_aside)
                 info = model_info_for(self.recipe, self.home, payloads.get("source"))
                 need = s.output_bytes(self.recipe, info, dict(payloads))
                 check_free_space(self.cache.root / "tmp", need)
@@ -285,7 +324,8 @@ class Runner:
         except Exception as e:      # any failure of a stage is its result, whatever raised it
             return self._failed(s, key, time.perf_counter() - t0, sampler.peak / 2**20, e, need)
         return StageResult(s.name, Status.BUILT, key, time.perf_counter() - t0, sampler.peak / 2**20,
-                           stage_metrics, self.cache.notes.pop(key, ""), payload=str(entry.payload))
+                           stage_metrics, self.cache.notes.pop(key, ""), payload=str(entry.payload),
+                           origin=built_here())
 
     def run_after(self, s: Stage, upstream: dict[str, dict], forced: bool = False) -> tuple[StageResult, str | None]:
         """Run one stage given the results of the stages before it (``{name: {"key", "digest", "metrics"}}``),
@@ -295,23 +335,26 @@ class Runner:
         keys = {n: u["key"] for n, u in upstream.items()}
         digests = {n: u["digest"] for n, u in upstream.items()}
         metrics = {n: u.get("metrics") or {} for n, u in upstream.items()}
-        for retry in (False, True):
+        set_aside: set[str] = set()
+        while True:
             payloads = {}
             for n in upstream:
                 if n not in s.needs and n != "source":      # source: the model facts every stage is given
                     continue
                 entry = self.cache.get(keys[n])
-                if entry is None:
-                    gone = ForgeError(f"the output of {n} ({keys[n][:16]}) is not in the cache {self.cache.location} "
-                                      f"(removed or set aside since it was built): build again")
-                    return self._failed(s, None, 0.0, 0.0, gone), None
+                if entry is None:       # the driver rebuilds it (and every input set aside with it), then this
+                    gone = {n} | {m for m, k in keys.items() if k in self.cache.set_aside}
+                    why = self.cache.notes.get(keys[n]) or "removed since it was built"
+                    raise InputsSetAside(gone, f"the output of {', '.join(sorted(gone))} is not in the cache "
+                                         f"{self.cache.location} ({why})")
                 payloads[n] = entry.payload
             try:
-                res = self._run_stage(s, digests, payloads, metrics, forced, {n: keys[n] for n in s.needs}, retry)
+                res = self._run_stage(s, digests, payloads, metrics, forced, {n: keys[n] for n in s.needs},
+                                      frozenset(set_aside))
                 res.components = self._components.get(s.name)
                 break
-            except _InputsCorrupt:      # set aside here: fetched again from the shared store
-                continue
+            except _InputsCorrupt as e:     # set aside here: fetched again from the shared store
+                set_aside |= set(e.stages)
         digest = None
         if res.status in (Status.HIT, Status.BUILT):
             found = self._found.get(res.key)
@@ -319,14 +362,15 @@ class Runner:
             digest = entry.meta["payload_digest"] if entry else (found.meta["payload_digest"] if found else None)
         return res, digest
 
-    def _verify_inputs(self, s: Stage, input_keys: dict[str, str], retry: bool) -> None:
+    def _verify_inputs(self, s: Stage, input_keys: dict[str, str], set_aside: frozenset) -> None:
         """Full content digests (not the stat cache) of what this stage hands off; a changed entry is set aside."""
         bad = [n for n, k in input_keys.items() if self.cache.get(k, verify=True, use_stat_cache=False) is None]
-        if bad and not retry:
-            raise _InputsCorrupt(bad)
-        if bad:
-            raise ForgeError(f"the cached output of {', '.join(bad)} changed on disk again after it was rebuilt: "
+        again = [n for n in bad if n in set_aside]
+        if again:
+            raise ForgeError(f"the cached output of {', '.join(again)} changed on disk again after it was rebuilt: "
                              f"check the disk under {self.cache.root} (`forge cache verify`)")
+        if bad:
+            raise _InputsCorrupt(bad, "an input changed on disk since it was cached: set aside, rebuilding it")
 
     def _failed(self, s: Stage, key: str | None, duration: float, peak_mb: float, e: BaseException,
                 need: int | None = None) -> StageResult:

@@ -7,6 +7,7 @@ submits every ready stage at once. Both tell the walk each result; neither decid
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from .status import Status
@@ -26,9 +27,17 @@ class StageResult:
     log: str | None = None      # a failure's log: message, traceback, stage and key
     components: dict | None = None  # the stage's key components (run history: what changed between nights)
     node: dict = field(default_factory=dict)    # --executor ray: the node it ran on (id, ip, host)
-    source: str = ""            # a hit: where its entry was found, "local" or the shared store's URL
+    # where its output came from (hit or built): {"how": "built", "host"[, "node", "ip"]} (built in this run, on
+    # which host and Ray node), {"how": "local", "host"} (a hit in that host's local layer) or {"how": "shared",
+    # "store", "fetched", "built_by"} (a hit in the shared store; fetched: downloaded to this machine in this run)
+    origin: dict = field(default_factory=dict)
 
 DONE = (Status.HIT, Status.BUILT)
+
+
+def built_here() -> dict:
+    """The origin of an output built by this process (a Ray task adds its node)."""
+    return {"how": "built", "host": socket.gethostname()}
 
 
 def forced_stages(names: list[str], from_stage: str | None, force) -> set[str]:

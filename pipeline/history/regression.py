@@ -44,7 +44,7 @@ class MetricDef:
 
 
 def catalog() -> dict[str, MetricDef]:
-    """The metrics a rule can name: the fields of ``RegressionRules`` (their one home, pipeline/recipe.py)."""
+    """The metrics a rule can name: the fields of ``RegressionRules`` (their one home, pipeline/recipe/schema.py)."""
     out = {}
     for name, f in RegressionRules.model_fields.items():
         extra = f.json_schema_extra

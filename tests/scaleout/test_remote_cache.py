@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -20,14 +21,12 @@ def _stages(report: dict) -> dict:
 
 
 def _record(shared, key: str) -> dict:
-    return json.loads(shared.s3.client().get_object(Bucket=shared.bucket, Key=f"{shared.prefix}/entries/{key[:2]}/{key}.json")
-                      ["Body"].read())
+    return shared.record(key)
 
 
 def _blob(shared, key: str, rel: str) -> str:
     """The bucket object holding payload file ``rel`` of entry ``key`` (content-addressed: blobs/<sha>)."""
-    sha = _record(shared, key)["files"][rel]["sha256"]
-    return f"{shared.prefix}/blobs/{sha[:2]}/{sha}"
+    return f"{shared.prefix}/{shared.blob_of(key, rel)}"
 
 
 def _plan(machine, recipe) -> dict:
@@ -40,6 +39,9 @@ def test_second_machine_downloads_instead_of_rebuilding(shared):
     a.forge("build", fa)
     built = _stages(a.report("fa"))
     assert [s["status"] for s in built.values()] == ["built"] * 3
+    # report.json says how the night was built: on this machine, every output built here
+    assert a.report("fa")["executor"] == {"kind": "local", "host": socket.gethostname()}
+    assert [s["origin"] for s in built.values()] == [{"how": "built", "host": socket.gethostname()}] * 3
 
     plan = _plan(b, fa)      # nothing local on b: every stage is a hit in the bucket
     assert {n: (p["status"], p["reason"]) for n, p in plan.items()} == {
@@ -49,7 +51,10 @@ def test_second_machine_downloads_instead_of_rebuilding(shared):
     p = b.forge("build", fa)
     got = _stages(b.report("fa"))
     assert [s["status"] for s in got.values()] == ["hit"] * 3
-    assert [s["source"] for s in got.values()] == [shared.url] * 3                     # where each hit came from
+    # where each hit came from: the bucket, published by a; only the last stage was downloaded here
+    assert [s["origin"] for s in got.values()] == [
+        {"how": "shared", "store": shared.url, "fetched": n == "gate", "built_by": socket.gethostname()}
+        for n in got]
     assert f"gate: hit ({shared.url})" in p.stderr
     assert got["transform"]["metrics"]["pid"] == built["transform"]["metrics"]["pid"]   # a's run, not b's
     # only what the build hands over (its last stage) is downloaded: nothing here had to run on the others
@@ -61,7 +66,9 @@ def test_second_machine_downloads_instead_of_rebuilding(shared):
     assert (mine.payload / "model" / "1").is_dir()      # the empty folder came through the bucket
     b.forge("build", fa)
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit"] * 3
-    assert [s["source"] for s in b.report("fa")["stages"]] == [shared.url, shared.url, "local"]
+    assert [s["origin"] for s in b.report("fa")["stages"]][1:] == [      # gate: in b's local layer now
+        {"how": "shared", "store": shared.url, "fetched": False, "built_by": socket.gethostname()},
+        {"how": "local", "host": socket.gethostname()}]
 
     b.forge("build", fa, "--force", "gate")      # --force replaces the shared entry too
     assert [s["status"] for s in b.report("fa")["stages"]] == ["hit", "hit", "built"]

@@ -110,10 +110,12 @@ def timed(fn, *a, **kw):
     return out, time.perf_counter() - t
 
 
-def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: Path, *,
+def quantize_model(hf_dir: Path, quantize, calib: torch.Tensor | None, out_dir: Path, *,
                    train: torch.Tensor | None = None, eval_windows: torch.Tensor | None = None,
                    device: str = "cpu", eval_batch: int = 4, ppl_fp32: float | None = None) -> dict:
-    """PTQ (and QAT when ``q['method'] == 'qat'``) of the HF model in ``hf_dir``; writes the artifact.
+    """PTQ (and QAT when ``quantize.method`` is qat) of the HF model in ``hf_dir`` by the tensorrt_llm target's
+    quantizer of ``quantize`` (the recipe's quantize section, validated: pipeline/trtllm/quantizers.py); writes the
+    artifact.
 
     ``calib`` / ``train`` / ``eval_windows`` are ``[N, T]`` token tensors (``pipeline.data.token_windows``).
     Perplexities are measured on ``eval_windows`` when given (FP32, after PTQ, after QAT); pass ``ppl_fp32``
@@ -124,12 +126,11 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
 
     from pipeline.errors import ForgeError, RecipeError
     from pipeline.modelinfo import ModelInfo
+    from pipeline.trtllm.quantizers import quantizer_of
 
     from . import artifact
-    from pipeline.trtllm.build_config import SMOOTHQUANT_ALGOS
-
-    from .configs import modelopt_config, needs_sm, resolve_quant_config, trtllm_quantization, validate_quant_config
     from .per_token import per_token_activations, share_mlp_smoothing, static_activations
+    from .zero_point import asymmetric_weights, symmetric_weights
     from .qat import train_qat
     from .stats import collect_layer_stats, save_stats, top_outliers
 
@@ -138,12 +139,14 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     t_all = time.perf_counter()
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     info = ModelInfo.from_dir(hf_dir)
-    problems = validate_quant_config(q, info)
+    qz = quantizer_of(quantize)
+    opts = qz.options_of(quantize)
+    problems = qz.plan_problems(quantize, opts, info)       # this model's facts; the recipe validated the rest
     if problems:
         raise RecipeError(problems)
-    c = resolve_quant_config(q, info)
+    c = qz.record(quantize, opts, info)
     quantizes = c["algo"] != "none" or c["kv_cache"] != "none"
-    if quantizes and c["algo"] not in ("int8_wo", "int4_wo") and calib is None:
+    if qz.needs_calibration(c["kv_cache"]) and calib is None:
         raise ForgeError(f"quantize.algo {c['algo']} / kv_cache {c['kv_cache']} needs calibration windows "
                          f"(quantize.calibration), none were given")
     if c["method"] == "qat" and train is None:
@@ -153,9 +156,10 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
 
     m: dict = {"label": "simulated: ModelOpt fake quantization in PyTorch (not an engine)",
                "algo": c["algo"], "method": c["method"], "kv_cache": c["kv_cache"], "device": device,
-               "alpha": c["alpha"] if c["algo"] in SMOOTHQUANT_ALGOS else None,
-               "block_size": c["block_size"] if c["algo"] in ("int4_wo", "int4_awq") else None,
-               "needs_sm": needs_sm(c["algo"], c["kv_cache"]), "trtllm_quantization": trtllm_quantization(c, info),
+               "alpha": c["alpha"] if qz.smoothquant else None,
+               "block_size": c["block_size"] if qz.grouped else None,
+               "needs_sm": qz.needs_sm(c["kv_cache"]),
+               "trtllm_quantization": qz.checkpoint_quantization(opts, c["kv_cache"], info),
                "seconds": {}}
     model = load_hf_model(hf_dir, device)
     if eval_windows is not None and ppl_fp32 is not None:
@@ -168,12 +172,14 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
     if c["method"] == "qat" and c["qat"]["distill"]["enabled"]:
         teacher = copy.deepcopy(model).eval()
 
-    mtq_cfg = modelopt_config(c, info)
+    mtq_cfg = qz.modelopt_config(opts, c["kv_cache"], info)
     (model, act_amax), m["seconds"]["calibrate"] = timed(
         calibrate, model, mtq_cfg, calib if quantizes else None, int(c["calibration"]["batch"]), device)
-    if c["algo"] == "int8_sq_per_token":       # the format TensorRT-LLM's plugin path computes (per_token.py)
+    if qz.per_token:       # the format TensorRT-LLM's plugin path computes (per_token.py)
         m["mlp_resmoothed"] = share_mlp_smoothing(model)
         m["per_token_quantizers"] = per_token_activations(model)
+    if qz.zero_point:          # zero-point groups: the grid of the checkpoint (zero_point.py)
+        m["zero_point_quantizers"] = asymmetric_weights(model)
     rows = collect_layer_stats(model, act_amax)
     save_stats(rows, out_dir / artifact.STATS_FILE)
     m["top_outliers"] = top_outliers(rows)
@@ -197,6 +203,7 @@ def quantize_model(hf_dir: Path, q: dict, calib: torch.Tensor | None, out_dir: P
         m["qat_gap_recovered"] = 1.0 - m["ppl_qat_delta_pct"] / m["ppl_ptq_delta_pct"]
 
     static_activations(model)       # the per-token override is not ModelOpt state (per_token.py)
+    symmetric_weights(model)        # nor is the zero-point one (zero_point.py)
     artifact.save_artifact(model.to("cpu"), out_dir, {"quantize": c, "modelopt_config": mtq_cfg,
                                                       "trtllm_quantization": m["trtllm_quantization"],
                                                       "needs_sm": m["needs_sm"], "model": info.to_dict()})

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import override
+
 INT8_MAX = 127.0
 
 
@@ -34,23 +36,12 @@ def per_token_fake_quant(x: torch.Tensor) -> torch.Tensor:
 
 def per_token_activations(model: nn.Module) -> int:
     """Switch every enabled input quantizer of ``model``'s quantized linears to per-token int8; returns how many."""
-    from modelopt.torch.quantization.nn import TensorQuantizer
-    n = 0
-    for name, mod in model.named_modules():
-        if isinstance(mod, TensorQuantizer) and name.endswith("input_quantizer") and mod.is_enabled:
-            mod._fake_quantize = per_token_fake_quant
-            n += 1
-    return n
+    return override.install(model, "input_quantizer", per_token_fake_quant)
 
 
 def static_activations(model: nn.Module) -> int:
     """Undo :func:`per_token_activations` (before ``mto.save``); returns how many quantizers it reset."""
-    n = 0
-    for mod in model.modules():
-        if mod.__dict__.get("_fake_quantize") is per_token_fake_quant:
-            del mod.__dict__["_fake_quantize"]
-            n += 1
-    return n
+    return override.remove(model, per_token_fake_quant)
 
 
 def share_mlp_smoothing(model: nn.Module) -> int:

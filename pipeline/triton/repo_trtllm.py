@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pipeline.errors import ForgeError, RecipeError
 from pipeline.trtllm.families import engine_attention_windows
+from pipeline.trtllm.memory import engine_kv_cache_max_tokens
 from pipeline.triton import templates
 from pipeline.triton.pbtxt import params, parse_all_configs, parse_config, tensor, to_pbtxt, write_config
 
@@ -82,6 +83,8 @@ def engine_facts(engine_build: dict) -> dict:
         # per-layer sliding windows (Mistral, Gemma 3) from the engine's own config; None without a window shorter
         # than max_seq_len, and for the recipe section (no pretrained_config)
         "attention_windows": engine_attention_windows(engine_build),
+        # max_tokens_in_paged_kv_cache forge writes: what the recipe's worst case needs (the memory plan's KV cache)
+        "kv_pool_cap": engine_kv_cache_max_tokens(engine_build),
     }
 
 
@@ -156,6 +159,13 @@ def tensorrt_llm_config(t: dict, e: dict, engine_dir: str) -> dict:
         xgrammar_tokenizer_info_path="",
         guided_decoding_backend="",
     )
+    cap = e["kv_pool_cap"]
+    if cap is not None:
+        # getKvCacheConfigFromParams reads it into KvCacheConfig maxTokens (model_instance_state.cc @ c8c6df08); the
+        # pool is then min(maxTokens, fraction x free) (kvCacheManager.cpp @ b35ac1b6 calculateMaxNumBlocks), so
+        # what the recipe does not need stays free for the buffers the runtime allocates per step after the pool
+        # (NCCL's connections; docs/trtllm-memory.md). Without it the pool takes the fraction of all free memory.
+        p["max_tokens_in_paged_kv_cache"] = cap
     if world > 1:
         p["participant_ids"] = ",".join(str(r) for r in range(world))
     if e.get("attention_windows"):

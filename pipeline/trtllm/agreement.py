@@ -44,11 +44,13 @@ def engines_record(eval_config: dict, deploy_config: dict) -> dict:
             "differ_in": {k: v for k, v in diff.items() if k.endswith("gather_context_logits")}}
 
 
-def greedy_tokens(engine_dir, prompts: list[list[int]], max_new_tokens: int, *, runner_spec: str | None = None):
+def greedy_tokens(engine_dir, prompts: list[list[int]], max_new_tokens: int, *, runner_spec: str | None = None,
+                  kv_cache_free_gpu_mem_fraction: float | None = None):
     """One engine's greedy tokens for every prompt, through one :class:`~pipeline.trtllm.runtime.EngineSession`
     (loaded once, closed before the other engine is loaded: the two never share the GPU)."""
     from .runtime import RUNNER, EngineSession
-    with EngineSession(engine_dir, runner_spec=runner_spec or RUNNER) as s:
+    with EngineSession(engine_dir, runner_spec=runner_spec or RUNNER,
+                       kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction) as s:
         return [list(s.generate(p, max_new_tokens)) for p in prompts]
 
 

@@ -15,28 +15,29 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..gpus import min_sm
 from ..modelinfo import ModelInfo
 from .families import ARCHITECTURES, family_of
+from .quantizers import KV_CACHE_ALGO, QUANTIZERS, effective_group_size
 
 KEY = "build.tensorrt_llm"
 
-# quantize.algo -> checkpoint quant_algo (TRT-LLM examples/quantization quantize_by_modelopt.py, §3); the one map,
-# also behind the checkpoint's quantization block (pipeline/quant/configs.trtllm_quantization).
-QUANT_ALGO = {
-    "none": None,
-    "int8_sq": "W8A8_SQ_PER_CHANNEL",
-    # per-token activation scales: ModelOpt's int8_sq export rewritten into the plugin layout (sq_per_token.py)
-    "int8_sq_per_token": "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
-    "int8_wo": "W8A16",
-    "int4_wo": "W4A16",
-    "int4_awq": "W4A16_AWQ",
-    "fp8": "FP8",
-}
-KV_CACHE_ALGO = {"none": None, "int8": "INT8", "fp8": "FP8"}
-# the SmoothQuant algos: both read quantize.alpha and start from ModelOpt's INT8_SMOOTHQUANT_CFG calibration
-SMOOTHQUANT_ALGOS = ("int8_sq", "int8_sq_per_token")
+# quantize.algo -> checkpoint quant_algo: a view of the quantizers' table (pipeline/trtllm/quantizers.py, the one home)
+QUANT_ALGO = {a: q.checkpoint_algo for a, q in QUANTIZERS.items()}
+# the SmoothQuant algos: they read quantize.alpha and start from ModelOpt's INT8_SMOOTHQUANT_CFG calibration
+SMOOTHQUANT_ALGOS = tuple(a for a, q in QUANTIZERS.items() if q.smoothquant)
 SQ_QUANT_ALGOS = {QUANT_ALGO[a] for a in SMOOTHQUANT_ALGOS}
+# per-channel k/v weight scales: ModelOpt 0.47's export raises "Duplicating KV heads per-channel scales is not
+# supported" (modelopt/torch/export/layer_utils.py build_qkv) when tp > KV heads, for these formats
+PER_CHANNEL_KV_ALGOS = SQ_QUANT_ALGOS | {QUANT_ALGO["fp8_pc_pt"]}
+# Formats whose TensorRT-LLM module swap replaces Attention, GatedMLP and every RmsNorm but ln_f with quantizing
+# versions that have no per-head q/k norms: smooth_quantize_plugin (SmoothQuantAttention) and fp8_rowwise_quantize
+# (Fp8RowwiseAttention) in tensorrt_llm/quantization/quantize.py @ 89fd9b7 (index id 235018984); the classes in
+# tensorrt_llm/quantization/layers.py (1.x, index id 790827869). Value: the name of the path in messages.
+NORM_SWAP_ALGOS = {"int8_sq_per_token": "TensorRT-LLM's SmoothQuant plugin path",
+                   "fp8_pc_pt": "TensorRT-LLM's FP8 rowwise path"}
+# With an FP8 KV cache trtllm-build keeps paged context FMHA only for these quant_algos ("FP8 Paged Context FMHA is
+# disabled because FP8 context FMHA is disabled"; tensorrt_llm/builder.py ``build``, 1.x, index id 205252225)
+FP8_CONTEXT_FMHA_ALGOS = ("FP8", "W4A8_AWQ", "NVFP4")
 
 # Archs whose TRT-LLM model implements reduce_fusion (build.py: forced off otherwise).
 REDUCE_FUSION_ARCHS = {"LlamaForCausalLM", "Gemma2ForCausalLM", "MedusaForCausalLM"}
@@ -120,7 +121,7 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         if k % tp and tp % k:
             p.append(f"{KEY}.tp: {tp} and the model's {k} KV heads (GQA) do not divide each other; TensorRT-LLM "
                      f"splits KV heads across ranks (tp divides {k}) or duplicates them (tp a multiple of {k})")
-        elif tp > k and qalgo in SQ_QUANT_ALGOS:
+        elif tp > k and qalgo in PER_CHANNEL_KV_ALGOS:
             p.append(f"{algo_key}: {algo} with {KEY}.tp={tp} > {k} KV heads needs the per-channel k/v weight scales "
                      f"duplicated with the KV heads, which ModelOpt's export does not support; use {KEY}.tp <= {k} "
                      f"or quantize.algo int8_wo / fp8")
@@ -128,19 +129,21 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
             ok = [x for x in range(1, layers + 1) if layers % x == 0]
             p.append(f"{KEY}.pp: {pp} does not divide the {layers} decoder layers (ModelOpt's checkpoint export "
                      f"needs equal stages); valid pp values: {', '.join(map(str, ok[:8]))}")
-    if qalgo == QUANT_ALGO["int8_sq_per_token"]:
+    if algo in NORM_SWAP_ALGOS and qalgo != "?":
         fam = family_of(info.architecture)
         if fam is not None and (fam.qk_norm or fam.inter_layernorms):
-            # smooth_quantize_plugin swaps every RmsNorm but ln_f for SmoothQuantRmsNorm, and SmoothQuantAttention
-            # has no q/k norm (tensorrt_llm/quantization/quantize.py @ 89fd9b7; layers.py, index id 790827869)
+            # the swap replaces every RmsNorm but ln_f, and the swapped attention has no q/k norm (NORM_SWAP_ALGOS)
             norms = " and ".join(n for n, on in (("per-head q/k", fam.qk_norm), ("feed-forward", fam.inter_layernorms))
                                  if on)
-            p.append(f"{algo_key}: int8_sq_per_token is TensorRT-LLM's SmoothQuant plugin path, whose attention has "
-                     f"no q/k norms and whose norm swap would quantize {info.architecture}'s {norms} norms; use "
-                     f"quantize.algo int8_sq, int8_wo or fp8 for this model")
-    if qalgo == "W4A16_AWQ":
+            p.append(f"{algo_key}: {algo} is {NORM_SWAP_ALGOS[algo]}, whose attention has no q/k norms and whose "
+                     f"norm swap would quantize {info.architecture}'s {norms} norms; use quantize.algo "
+                     f"{_NORM_SWAP_INSTEAD[algo]} for this model")
+    if algo == "int4_awq":
         p.append(f"{algo_key}: int4_awq (W4A16_AWQ) has no checkpoint contract / reference numerics in forge's "
-                 f"TensorRT-LLM target yet; use int8_sq, int8_wo, int4_wo or fp8")
+                 f"TensorRT-LLM target yet; use int4_zp (the same groupwise layout with zero points), int8_sq, "
+                 f"int8_wo, int4_wo or fp8")
+    if algo == "int4_zp" and tp >= 1:
+        p += _groupwise_width_problems(q, info, tp)
 
     # ---- build-time overrides (§2.3) -----------------------------------------------------------
     fused_mlp = _on(b.get("use_fused_mlp", True))
@@ -163,6 +166,10 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
     if paged_ctx and kvalgo == "INT8":
         p.append(f"{KEY}.use_paged_context_fmha: trtllm-build turns paged context FMHA off with an INT8 KV cache "
                  f"(quantize.kv_cache: int8); set {KEY}.use_paged_context_fmha: false, or use quantize.kv_cache: fp8")
+    if paged_ctx and kvalgo == "FP8" and qalgo not in FP8_CONTEXT_FMHA_ALGOS:
+        p.append(f"{KEY}.use_paged_context_fmha: trtllm-build turns paged context FMHA off with an FP8 KV cache "
+                 f"unless quant_algo is {', '.join(FP8_CONTEXT_FMHA_ALGOS)} (here {qalgo}, quantize.algo {algo}); set "
+                 f"{KEY}.use_paged_context_fmha: false so the recipe says what is built")
     if paged_ctx and kv_type != "paged":
         p.append(f"{KEY}.use_paged_context_fmha: needs {KEY}.kv_cache_type: paged (got {kv_type})")
     if triton and _on(triton.get("enable_kv_cache_reuse", False)):
@@ -209,13 +216,20 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
     # ---- hardware (SM) -----------------------------------------------------------------------
     if gpu_sm is not None:
         sm = int(gpu_sm)
-        if sm >= 100:
-            if qalgo in (*SQ_QUANT_ALGOS, "W8A16", "W4A16", "W4A16_AWQ"):
+        if 100 <= sm < 120:
+            # trtllm-build raises for INT8/INT4 weights, INT8 KV, SmoothQuant and per-channel / per-token scaling
+            # when 100 <= SM < 120 (tensorrt_llm/builder.py ``build``, 1.x, index id 205252225)
+            if qalgo in (*SQ_QUANT_ALGOS, "W8A16", "W4A16", "W4A16_AWQ", QUANT_ALGO["fp8_pc_pt"]):
                 p.append(f"{algo_key}: {algo} ({qalgo}) is not supported by TensorRT-LLM on SM {sm} (Blackwell); "
                          f"use quantize.algo fp8")
             if kvalgo == "INT8":
                 p.append(f"quantize.kv_cache: int8 is not supported by TensorRT-LLM on SM {sm}; use fp8")
-        need = min_sm("fp8" if qalgo == "FP8" else "", "fp8" if kvalgo == "FP8" else "none")
+        if qalgo == "W4A16_AWQ" and sm < 80:
+            # "Fine grained quanitzation is only supported on Ampere+ GPUs" (fpA_intB_gemm_template.h @ 567239f)
+            p.append(f"{algo_key}: {algo} ({qalgo}, groupwise int4) needs SM >= 80 (Ampere); target GPU is SM {sm}: "
+                     f"use quantize.algo int8_wo or int4_wo there")
+        qz = QUANTIZERS.get("none" if q.get("method") == "none" else algo)
+        need = qz.needs_sm(q.get("kv_cache") or "none") if qz is not None and kvalgo != "?" else None
         if need and sm < need:
             p.append(f"{algo_key}/quantize.kv_cache: FP8 needs SM >= {need} (Ada/Hopper); target GPU is SM {sm}: "
                      f"use quantize.algo: int8_sq_per_token with quantize.kv_cache: int8 there (e.g. the qwen7b-int8 / "
@@ -223,6 +237,31 @@ def validate_build(build: dict, quant: dict, info: ModelInfo, gpu_sm: int | None
         if sm < 80 and b.get("dtype") == "bfloat16":
             p.append(f"{KEY}.dtype: bfloat16 needs SM >= 80; target GPU is SM {sm}")
     return p
+
+
+# what to use instead of a NORM_SWAP_ALGOS format on a family it cannot build
+_NORM_SWAP_INSTEAD = {"int8_sq_per_token": "int8_sq, int8_wo or fp8", "fp8_pc_pt": "fp8, int8_wo or int4_zp"}
+
+
+def _groupwise_width_problems(q: dict, info: ModelInfo, tp: int) -> list[str]:
+    """int4_zp: every decoder linear's full input and output width must be a multiple of max(64, group) x tp.
+    TensorRT-LLM's WeightOnlyGroupwiseQuantLinear / RowLinear pad both to that multiple and then expect padded
+    tensors (``multiple = max((128 if use_w4a8_awq else 64), group_size) * tp_size``, layers.py, 1.x, index id
+    790827869), which a checkpoint of the model's own widths does not hold."""
+    g = effective_group_size("int4_zp", q.get("block_size"), info)
+    m = max(64, g) * tp
+    n, k, d = info.num_heads, info.num_kv_heads, info.head_dim
+    qkv = tp * (n // tp + 2 * -(-k // tp)) * d           # Attention's qkv: tp x local heads (KV heads duplicated)
+    widths = {"attention.qkv": (info.hidden_size, qkv), "attention.dense": (n * d, info.hidden_size),
+              "mlp.fc / mlp.gate": (info.hidden_size, info.intermediate_size),
+              "mlp.proj": (info.intermediate_size, info.hidden_size)}
+    bad = [f"{name} {w}" for name, (i, o) in widths.items() for w in (i, o) if w % m]
+    if not bad:
+        return []
+    return [f"quantize.algo: int4_zp with quantize.block_size {g} and {KEY}.tp={tp}: TensorRT-LLM's groupwise int4 "
+            f"linears pad every width to a multiple of max(64, block_size) x tp = {m}, and these widths are not "
+            f"({', '.join(sorted(set(bad)))}), so the checkpoint would not load; lower {KEY}.tp or "
+            f"quantize.block_size"]
 
 
 def prompt_limit(build: dict) -> tuple[int, bool]:

@@ -23,8 +23,9 @@ from ..host.rss import PeakRss
 from ..errors import ForgeError
 from ..modelinfo import ModelInfo, sliding_window_pattern
 from ..progress import progress_bar
-from .build_config import KV_CACHE_ALGO, QUANT_ALGO, SQ_QUANT_ALGOS
+from .build_config import KV_CACHE_ALGO, PER_CHANNEL_KV_ALGOS, QUANT_ALGO
 from .families import require_family
+from .quantizers import QUANTIZERS, effective_group_size
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -110,6 +111,11 @@ def apply_config_fixups(cfg: dict, info: ModelInfo, hf_cfg: dict, quant: dict | 
         q.setdefault("exclude_modules", ["lm_head"])
     if algo == "none":
         q["quant_algo"] = None
+    if algo == "fp8_pc_pt" and (quant.get("options") or {}).get("meta_recipe"):
+        # ModelOpt lists the float attention / MLP modules in exclude_modules, which would leave input_layernorm
+        # swapped to Fp8RowwiseRmsNorm ahead of a float attention; TensorRT-LLM's own switch for this set is
+        # use_meta_recipe ('*input_layernorm', '*attention', first and last layers: quantize.py @ 89fd9b7)
+        q.update(use_meta_recipe=True, exclude_modules=["lm_head"])
     kv = KV_CACHE_ALGO.get(quant.get("kv_cache") or "none")
     if kv is None:                                   # quantize.py: fp8/nvfp4 without --kv_cache_dtype
         q["kv_cache_quant_algo"] = None
@@ -156,12 +162,14 @@ def _gemma3_manual_config():
 
 
 def _disable_quantizers(model: torch.nn.Module) -> list:
-    """Disable every enabled ModelOpt TensorQuantizer in ``model``; returns them (to re-enable)."""
+    """Disable every enabled weight / input quantizer of ``model``'s linears, so they export float weights; returns
+    them (to re-enable). The attention's k/v BMM quantizers stay on: the KV-cache scales are exported as usual."""
     try:
         from modelopt.torch.quantization.nn import TensorQuantizer
     except ImportError:
         return []
-    out = [m for m in model.modules() if isinstance(m, TensorQuantizer) and m.is_enabled]
+    out = [m for n, m in model.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled
+           and n.endswith(("weight_quantizer", "input_quantizer"))]
     for m in out:
         m.disable()
     return out
@@ -183,7 +191,7 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
         raise ForgeError(f"build.tensorrt_llm.dtype: {dtype!r}; TensorRT-LLM checkpoints are float16 or bfloat16")
     decoder = decoder_type_for(info)
     algo = quant.get("algo") or "none"
-    if QUANT_ALGO.get(algo, "?") in SQ_QUANT_ALGOS and tp > info.num_kv_heads:
+    if QUANT_ALGO.get(algo, "?") in PER_CHANNEL_KV_ALGOS and tp > info.num_kv_heads:
         raise ForgeError(f"quantize.algo: {algo} with build.tensorrt_llm.tp={tp} > {info.num_kv_heads} KV heads is "
                          f"not exportable (ModelOpt cannot duplicate per-channel k/v scales); use tp <= "
                          f"{info.num_kv_heads}")
@@ -199,7 +207,14 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     model.eval()
     # Weight-only: TensorRT-LLM loads float weights and quantizes them itself (W8A16/W4A16, §1.7); ModelOpt's
     # int8 (out,in) + weights_scaling_factor layout is not what WeightOnlyQuantLinear loads, so export float.
-    disabled = _disable_quantizers(model) if algo in ("int8_wo", "int4_wo") else []
+    # int4_zp: ModelOpt exports no zero points, so float too, quantized below by forge (int4_zp.py).
+    on_grid = []
+    if algo == "int4_zp" and quant.get("method") != "none":
+        from . import zp_grid
+        group = effective_group_size(algo, quant.get("block_size"), info)
+        on_grid = zp_grid.on_grid(model, group)       # the simulation's codes survive the float export
+    exports_float = algo in QUANTIZERS and not QUANTIZERS[algo].fake_quant_export
+    disabled = _disable_quantizers(model) if exports_float else []
     t0 = time.perf_counter()
     try:
         with PeakRss(interval=0.05, children=False) as mem, progress_bar(f"TRT-LLM checkpoint export (tp {tp}, pp {pp})", 1) as advance, \
@@ -211,6 +226,8 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     finally:
         for qz in disabled:
             qz.enable()
+        if on_grid:
+            zp_grid.restore(on_grid)
     seconds = time.perf_counter() - t0
     cfg = json.loads((out / "config.json").read_text())
     cfg = apply_config_fixups(cfg, info, hf_cfg, quant)
@@ -218,6 +235,10 @@ def write_checkpoint(model: torch.nn.Module, info: ModelInfo, hf_dir: str | Path
     if algo == "int8_sq_per_token" and quant.get("method") != "none":
         from .sq_per_token import to_per_token
         to_per_token(out)
+        cfg = json.loads((out / "config.json").read_text())
+    if algo == "int4_zp" and quant.get("method") != "none":
+        from .int4_zp import to_zero_point
+        to_zero_point(out, group)
         cfg = json.loads((out / "config.json").read_text())
     fp16_bytes = info.num_params * 2
     return {

@@ -30,7 +30,11 @@ QUANT_ALGOS = {None, "W8A16", "W4A16", "W4A16_AWQ", "W4A8_AWQ", "W8A16_GPTQ", "W
                "W8A8_SQ_PER_CHANNEL_PER_TENSOR_PLUGIN", "W8A8_SQ_PER_TENSOR_PER_TOKEN_PLUGIN", "FP8",
                "FP8_PER_CHANNEL_PER_TOKEN", "FP8_BLOCK_SCALES", "NVFP4", "MIXED_PRECISION"}
 # Algos whose per-tensor layout this module encodes exactly; others fail the check as unsupported.
-CHECKED_ALGOS = {None, "W8A16", "W4A16", "W8A8_SQ_PER_CHANNEL", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "FP8"}
+CHECKED_ALGOS = {None, "W8A16", "W4A16", "W4A16_AWQ", "W8A8_SQ_PER_CHANNEL", "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN",
+                 "FP8", "FP8_PER_CHANNEL_PER_TOKEN"}
+# quant_algos whose layers replace the attention and the norms with versions without q/k norms (build_config.py
+# NORM_SWAP_ALGOS): no Qwen3 / Gemma 3 checkpoint of them loads
+NORM_SWAP_QUANT_ALGOS = ("W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN", "FP8_PER_CHANNEL_PER_TOKEN")
 KV_ALGOS = {None, "INT8", "FP8", "NVFP4"}
 ST_DTYPE = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
 
@@ -55,6 +59,15 @@ RULE_SQ_PT = "§1.8 W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN (sq_per_token.py): int8
              "no act_scale (layers.py SmoothQuantLinear/RowLinear/RmsNorm, index id 790827869)"
 RULE_WO = "§1.7 weight-only: float weight (trtllm-build quantizes) or int8 (in, out*bits/8) + per_channel_scale"
 RULE_FP8 = "§1.10 FP8: fp8 weight (out,in), fp32 weights/activation_scaling_factor (1,)"
+RULE_FP8_PC_PT = "§1.10 FP8_PER_CHANNEL_PER_TOKEN (rowwise): fp8 weight (out,in), fp32 per_channel_scale (out,), no " \
+                 "activation scale (per token at run time); norms unchanged (layers.py Fp8RowwiseLinear/RowLinear/" \
+                 "RmsNorm, index id 790827869)"
+RULE_META = "§1.10 FP8_PER_CHANNEL_PER_TOKEN with use_meta_recipe: attention linears of every layer and all linears " \
+            "of the first and last layers in the model dtype, no per_channel_scale (quantize.py fp8_rowwise_quantize)"
+RULE_ZP = "int4_zp.py W4A16_AWQ groupwise int4: int8 weight (out/2,in) (two int4 codes per byte), " \
+          "weights_scaling_factor (out,in/g), zero (in/g,out) in model dtype when has_zero_point, " \
+          "prequant_scaling_factor (in,) when pre_quant_scale (layers.py WeightOnlyGroupwiseQuantLinear, " \
+          "modeling_utils.py preprocess_perlayer_weights)"
 RULE_KV = "§1.10 KV-cache quantization: attention.kv_cache_scaling_factor fp32 (1,)"
 RULE_QK = "families.py: Qwen3 / Gemma 3 attention.q_layernorm / k_layernorm, RMSNorm over head_size, not split"
 RULE_GEMMA = "families.py: Gemma 3 inter_layernorms (pre/post_feedforward_layernorm), not split"
@@ -88,6 +101,10 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
     fam = family_of(arch)
     attn_bias = bool(cfg.get("attn_bias", qwen))  # QWenConfig default True, LLaMAConfig default False
     mlp_bias = bool(cfg.get("mlp_bias", False))
+
+    def meta_float(layer: int, lin: str) -> bool:
+        """use_meta_recipe: attention of every layer and the first and last layers stay in the model dtype."""
+        return bool(q.get("use_meta_recipe")) and (lin.startswith("attention") or layer in (0, L - 1))
 
     kv_local = max(K, T) // T
     q_local = N // T
@@ -161,6 +178,19 @@ def expected_tensors(cfg: dict, rank: int) -> dict[str, tuple[tuple[int, ...] | 
                 add(w, (o, i), {"F8_E4M3", "I8"}, f"{rule}; {RULE_FP8}")
                 add(pre + lin + ".weights_scaling_factor", (1,), {"F32"}, RULE_FP8)
                 add(pre + lin + ".activation_scaling_factor", (1,), {"F32"}, RULE_FP8)
+            elif algo == "FP8_PER_CHANNEL_PER_TOKEN" and meta_float(layers[local], lin):
+                add(w, (o, i), dt, f"{rule}; {RULE_META}")
+            elif algo == "FP8_PER_CHANNEL_PER_TOKEN":
+                add(w, (o, i), {"F8_E4M3", "I8"}, f"{rule}; {RULE_FP8_PC_PT}")
+                add(pre + lin + ".per_channel_scale", (o,), {"F32"}, RULE_FP8_PC_PT)
+            elif algo == "W4A16_AWQ":
+                g = int(q.get("group_size") or 128)
+                add(w, (o // 2, i), {"I8"}, f"{rule}; {RULE_ZP}")
+                add(pre + lin + ".weights_scaling_factor", (o, i // g), dt | {"F32"}, RULE_ZP)
+                if q.get("has_zero_point"):
+                    add(pre + lin + ".zero", (i // g, o), dt, RULE_ZP)
+                if q.get("pre_quant_scale"):
+                    add(pre + lin + ".prequant_scaling_factor", (i,), dt, f"{RULE_ZP}; row-parallel: split with the input")
         if kv in ("INT8", "FP8"):
             add(pre + "attention.kv_cache_scaling_factor", (1,), {"F32"}, RULE_KV)
             add(pre + "attention.k_cache_scaling_factor", (1,), {"F32"}, RULE_KV, required=False)
@@ -237,16 +267,37 @@ def _config_problems(cfg: dict) -> list[str]:
         p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')!r} is not a TensorRT-LLM QuantAlgo (rule §1.4)")
     elif q.get("quant_algo") not in CHECKED_ALGOS:
         p.append(f"config.json: quantization.quant_algo {q.get('quant_algo')} has no tensor contract in forge "
-                 f"(checked: W8A8_SQ_PER_CHANNEL, W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN, W8A16, W4A16, FP8, none) (rule §1.4)")
+                 f"(checked: {', '.join(sorted(a for a in CHECKED_ALGOS if a))}, none) (rule §1.4)")
     fam = family_of(cfg["architecture"])
-    if q.get("quant_algo") == "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN" and fam is not None \
-            and (fam.qk_norm or fam.inter_layernorms):
-        p.append(f"config.json: quant_algo W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN for {cfg['architecture']}: the "
-                 f"SmoothQuant plugin swap has no q/k or feed-forward norms (rule {RULE_SQ_PT})")
+    if q.get("quant_algo") in NORM_SWAP_QUANT_ALGOS and fam is not None and (fam.qk_norm or fam.inter_layernorms):
+        rule = RULE_SQ_PT if q["quant_algo"].startswith("W8A8") else RULE_FP8_PC_PT
+        p.append(f"config.json: quant_algo {q['quant_algo']} for {cfg['architecture']}: its module swap has no q/k "
+                 f"or feed-forward norms (rule {rule})")
+    if q.get("quant_algo") == "W4A16_AWQ":
+        p += _groupwise_problems(cfg, q)
     if q.get("kv_cache_quant_algo") not in KV_ALGOS:
         p.append(f"config.json: quantization.kv_cache_quant_algo {q.get('kv_cache_quant_algo')!r} not in "
                  f"FP8/INT8/NVFP4/null (rule §1.4 KV_CACHE_QUANT_ALGO_LIST)")
     return p
+
+
+def _groupwise_problems(cfg: dict, q: dict) -> list[str]:
+    """W4A16_AWQ: the group sizes the fine-grained GEMM takes, and widths the groupwise layers do not pad."""
+    from .quantizers import GROUPWISE_SIZES
+    g = q.get("group_size", 128)
+    if g not in GROUPWISE_SIZES:
+        return [f"config.json: quantization.group_size {g!r}: TensorRT-LLM's groupwise int4 GEMM takes "
+                f"{' or '.join(map(str, GROUPWISE_SIZES))} (fpA_intB_gemm_template.h @ 567239f) (rule {RULE_ZP})"]
+    T = int((cfg.get("mapping") or {}).get("tp_size", 1))
+    H, N, I = cfg["hidden_size"], cfg["num_attention_heads"], cfg["intermediate_size"]
+    K, D = cfg.get("num_key_value_heads") or N, cfg.get("head_size") or H // N
+    m = max(64, g) * T
+    widths = {H, N * D, I, T * (N // T + 2 * (max(K, T) // T)) * D}
+    bad = sorted(w for w in widths if w % m)
+    if bad:
+        return [f"config.json: widths {bad} are not multiples of max(64, group_size) x tp_size = {m}: "
+                f"WeightOnlyGroupwiseQuantLinear pads them and would not load these tensors (rule {RULE_ZP})"]
+    return []
 
 
 def check_contract(ckpt_dir: str | Path, *, hf_config: dict | None = None) -> list[str]:

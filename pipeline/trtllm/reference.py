@@ -33,6 +33,14 @@ Per-family semantics and their TensorRT-LLM 1.2 sources: ``pipeline/trtllm/famil
   * W8A16 / W4A16 with float weights: the per-output-channel symmetric RTN trtllm-build applies at load
     (``weight_only_quantize_dict``); int8 ``(in, out)`` + ``per_channel_scale`` is used as stored.
   * FP8: e4m3 weights times ``weights_scaling_factor``; activations cast to e4m3 after ``/ activation_scaling_factor``.
+  * FP8_PER_CHANNEL_PER_TOKEN (rowwise; layout: ModelOpt's export, contract.py RULE_FP8_PC_PT): every linear's input
+    quantized per token by the QuantizePerToken / RMSNorm-quantization plugins -- ``scale = max(max|x| / 448,
+    1 / (448 * 512))`` with max|x| at least 1e-6 (``perTokenQuantization``, hasFp8MinScaling, in
+    cpp/tensorrt_llm/kernels/quantization.cu, 1.x, index id 3009811166), after clamping to ``clamp_val`` when the
+    config sets one -- and the FP8 GEMM's float32 result scaled by that token's scale times the output channel's
+    ``per_channel_scale`` (``fp8_rowwise_gemm``; Fp8RowwiseLinear, layers.py, index id 790827869).
+  * W4A16_AWQ groupwise int4 (int4_zp.py for the layout): ``w = q * scale + zero`` per group in the model dtype
+    (``zero`` 0 without has_zero_point), input times ``prequant_scaling_factor`` first when present.
   * INT8 / FP8 KV cache (``kv_cache_scaling_factor``): K (after RoPE) and V stored quantized. ``kv_cache``:
     ``"generation"`` (default) — every position attends to the quantized K/V of earlier tokens and the exact K/V
     of itself, as when tokens are decoded one at a time; ``"context"`` — no KV quantization (an engine's context
@@ -59,8 +67,11 @@ from .families import sliding_layers
 LABEL = "checkpoint, reference numerics"
 SQ_PER_TOKEN = "W8A8_SQ_PER_CHANNEL_PER_TOKEN_PLUGIN"
 SQ_ALGOS = ("W8A8_SQ_PER_CHANNEL", SQ_PER_TOKEN)
+FP8_PC_PT = "FP8_PER_CHANNEL_PER_TOKEN"
+SUPPORTED = (None, *SQ_ALGOS, "W8A16", "W4A16", "W4A16_AWQ", "FP8", FP8_PC_PT)
 _DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _FP8_MAX = 448.0
+_FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)   # QuantTypeStaticVals<__nv_fp8_e4m3>::MIN_SCALING_FACTOR (rowwise)
 # The engine's per-head q/k RMSNorm eps is Attention's default, not the checkpoint's norm_epsilon: Attention(...,
 # qk_layernorm, eps=1e-05) builds q_layernorm/k_layernorm with eps=eps (tensorrt_llm/layers/attention.py, TRT-LLM
 # 1.x, index ids 1178835378 / 29227859985), and neither QWenDecoderLayer (qwen/model.py, index id 66032162657) nor
@@ -94,7 +105,7 @@ class _Linear:
     stored: torch.Tensor                 # the weight as in the file, on the compute device
     make: Any                            # stored -> effective float32 weight [out, in]
     bias: torch.Tensor | None = None
-    act: str | None = None               # None | "int8" | "int8_token" | "fp8"
+    act: str | None = None               # None | "int8" | "int8_token" | "fp8" | "fp8_token"
     act_scale: float = 1.0
     prequant: torch.Tensor | None = None  # [in], model dtype values
     smoother: torch.Tensor | None = None  # [in], model dtype values: the input is divided by it (plugin SQ)
@@ -141,9 +152,11 @@ class ReferenceModel:
         self.sliding = sliding_layers(cfg)
         q = cfg.get("quantization") or {}
         self.quant_algo, self.kv_algo = q.get("quant_algo"), q.get("kv_cache_quant_algo")
-        if self.quant_algo not in (None, *SQ_ALGOS, "W8A16", "W4A16", "FP8"):
+        if self.quant_algo not in SUPPORTED:
             raise NotImplementedError(f"reference numerics for quant_algo {self.quant_algo} are not implemented "
-                                      f"(supported: none, {', '.join(SQ_ALGOS)}, W8A16, W4A16, FP8)")
+                                      f"(supported: none, {', '.join(a for a in SUPPORTED if a)})")
+        self.group_size = int(q.get("group_size") or 128)
+        self.clamp = q.get("clamp_val")          # FP8 rowwise: activations clamped to it before quantizing
         act = cfg.get("hidden_act", "silu")
         if act not in _ACTS:
             raise NotImplementedError(f"hidden_act {act!r} (gated MLP with {', '.join(_ACTS)})")
@@ -184,6 +197,21 @@ class ReferenceModel:
             sm = self._get(f, prefix + ".smoother").float().reshape(-1) if prefix + ".smoother" in names else None
             return _Linear(w, lambda t: t.float() * pcs, bias, "int8_token",
                            smoother=None if sm is None else self._rd(sm))
+        if algo == FP8_PC_PT and w.dtype in (torch.int8, torch.float8_e4m3fn):
+            pcs = self._get(f, prefix + ".per_channel_scale").float().reshape(-1, 1)
+            return _Linear(w, lambda t: t.view(torch.float8_e4m3fn).float() * pcs, bias, "fp8_token")
+        if algo == "W4A16_AWQ" and w.dtype == torch.int8:
+            from .int4_zp import unpack
+            scale = self._rd(self._get(f, prefix + ".weights_scaling_factor").float())     # [out, in / g]
+            zero = (self._rd(self._get(f, prefix + ".zero").float()).t() if prefix + ".zero" in names
+                    else torch.zeros_like(scale))                                        # stored [in / g, out]
+            pqs = (self._rd(self._get(f, prefix + ".prequant_scaling_factor").float().reshape(-1))
+                   if prefix + ".prequant_scaling_factor" in names else None)
+
+            def dq(t):   # the groupwise GEMM's dequantization, w = q * scale + zero, in the model dtype
+                from .zp_grid import dequantize
+                return rd(dequantize(unpack(t), scale, zero))
+            return _Linear(w, dq, bias, prequant=pqs)
         if algo == "FP8" and w.dtype in (torch.int8, torch.float8_e4m3fn):
             wsf = float(f.get_tensor(prefix + ".weights_scaling_factor").reshape(-1)[0])
             asf = float(f.get_tensor(prefix + ".activation_scaling_factor").reshape(-1)[0])
@@ -235,6 +263,17 @@ class ReferenceModel:
             x = torch.round(x * (127.0 / amax)).clamp(-128, 127) * (amax / 127.0)
             y = x @ lin.weight().t()
             return y + lin.bias if lin.bias is not None else y
+        if lin.act == "fp8_token":        # rowwise FP8: per-token e4m3 activations, per-channel e4m3 weights
+            if self.clamp:
+                x = x.clamp(float(self.clamp[0]), float(self.clamp[1]))
+            amax = x.abs().amax(dim=-1, keepdim=True).clamp_min(1e-6)
+            scale = (amax / _FP8_MAX).clamp_min(_FP8_MIN_SCALE)
+            x = (x * torch.minimum(_FP8_MAX / amax, torch.full_like(amax, 1.0 / _FP8_MIN_SCALE))
+                 ).to(torch.float8_e4m3fn).float() * scale
+            y = x @ lin.weight().t()
+            return y + lin.bias if lin.bias is not None else y
+        if lin.prequant is not None and lin.act is None:     # groupwise int4 with AWQ's smoothing vector
+            x = self._rd(x * lin.prequant)
         if lin.act is not None:
             if lin.prequant is not None:
                 x = self._rd(x * lin.prequant)

@@ -98,7 +98,7 @@ class Runner:
         self.runner.session.shutdown()
 
 
-def runner_options(engine_dir: str | Path) -> dict:
+def runner_options(engine_dir: str | Path, kv_cache_free_gpu_mem_fraction: float | None = None) -> dict:
     """``ModelRunnerCpp.from_dir`` keywords beyond engine_dir / rank, from the engine's own config.json.
 
     No KV-cache reuse (every window is new text). Sliding windows (Mistral, Gemma 3) are a runtime setting:
@@ -109,22 +109,41 @@ def runner_options(engine_dir: str | Path) -> dict:
     anand-nv/TensorRT-LLM @ 2d11190d), bound as ``std::optional<std::vector<SizeType32>>`` (NVIDIA/TensorRT-LLM
     cpp/tensorrt_llm/nanobind/executor/executorConfig.cpp @ c40f1157, ``nb::arg("max_attention_window")``).
     Without it the engine attends to the whole context and differs from HF beyond the window.
+
+    The KV-cache limits the memory plan assumes (docs/trtllm-memory.md): ``max_tokens_in_paged_kv_cache`` caps the
+    pool at what the engine's worst case needs, so the buffers the runtime allocates per step after the pool
+    (the context logits of an evaluation engine) get the rest; ``kv_cache_free_gpu_mem_fraction`` is the recipe's
+    (``package.triton.kv_cache_free_gpu_mem_fraction``). Same file: ``max_tokens_in_paged_kv_cache: int | None`` and
+    ``kv_cache_free_gpu_memory_fraction`` -> ``trtllm.KvCacheConfig(free_gpu_memory_fraction=..., max_tokens=...)``.
     """
     from .families import engine_attention_windows
+    from .memory import engine_kv_cache_max_tokens
+    cfg = json.loads((Path(engine_dir) / "config.json").read_text())
     opts: dict = {"kv_cache_enable_block_reuse": False}
-    windows = engine_attention_windows(json.loads((Path(engine_dir) / "config.json").read_text()))
+    windows = engine_attention_windows(cfg)
     if windows:
         opts["max_attention_window_size"] = windows
+    cap = engine_kv_cache_max_tokens(cfg)
+    if cap is not None:
+        opts["max_tokens_in_paged_kv_cache"] = cap
+    if kv_cache_free_gpu_mem_fraction is not None:
+        opts["kv_cache_free_gpu_memory_fraction"] = float(kv_cache_free_gpu_mem_fraction)
     return opts
 
 
-def load_runner(engine_dir: str | Path) -> Runner:
+def load_runner(engine_dir: str | Path, kv_cache_free_gpu_mem_fraction: float | None = None) -> Runner:
     """Load this MPI rank's engine once (engine limits; :func:`runner_options`)."""
     _require()
     import tensorrt_llm
     from tensorrt_llm.runtime import ModelRunnerCpp
     return Runner(ModelRunnerCpp.from_dir(engine_dir=str(engine_dir), rank=tensorrt_llm.mpi_rank(),
-                                          **runner_options(engine_dir)))
+                                          **runner_options(engine_dir, kv_cache_free_gpu_mem_fraction)))
+
+
+def _load(spec: str, engine_dir: str, kv_cache_free_gpu_mem_fraction: float | None):
+    """The runner factory of ``spec`` on ``engine_dir``; the fraction is passed only when set."""
+    kw = {} if kv_cache_free_gpu_mem_fraction is None else {"kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction}
+    return _factory(spec)(engine_dir, **kw)
 
 
 def run_request(runner, req: dict) -> dict:
@@ -148,11 +167,12 @@ def _save(obj, path: Path) -> None:
     os.replace(tmp, path)     # the reader never sees a half-written file
 
 
-def serve(engine_dir: str, channel: str | Path, runner_spec: str = RUNNER) -> None:
+def serve(engine_dir: str, channel: str | Path, runner_spec: str = RUNNER,
+          kv_cache_free_gpu_mem_fraction: float | None = None) -> None:
     """The program each rank runs under mpirun: load once, then (rank 0) answer ``req-N.pt`` with ``res-N.pt``
     until ``stop`` appears; the other ranks wait in the executor's shutdown until rank 0 stops."""
     channel = Path(channel)
-    runner = _factory(runner_spec)(engine_dir)
+    runner = _load(runner_spec, engine_dir, kv_cache_free_gpu_mem_fraction)
     if not runner.leader:
         runner.shutdown()
         return
@@ -187,12 +207,15 @@ class MpiWorker:
     """One ``mpirun`` for the whole evaluation; requests and answers are files in a private directory."""
 
     def __init__(self, engine_dir: str | Path, n: int, *, runner_spec: str = RUNNER, timeout_s: float = 3600.0,
-                 launch: Callable[[int], list[str]] | None = None):
+                 launch: Callable[[int], list[str]] | None = None,
+                 kv_cache_free_gpu_mem_fraction: float | None = None):
         self.channel = Path(tempfile.mkdtemp(prefix="forge-trtllm-"))
         self.timeout_s = timeout_s
         self.n = 0
         cmd = (launch or mpi_command)(n) + [sys.executable, "-m", "pipeline.trtllm.runtime", "serve", str(engine_dir),
                                             str(self.channel), "--runner", runner_spec]
+        if kv_cache_free_gpu_mem_fraction is not None:
+            cmd += ["--kv-fraction", repr(float(kv_cache_free_gpu_mem_fraction))]
         self.log_path = self.channel / "worker.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -244,10 +267,12 @@ class EngineSession:
     tests can count how often an engine is loaded.
     """
 
-    def __init__(self, engine_dir: str | Path, *, runner_spec: str = RUNNER, launch=None):
+    def __init__(self, engine_dir: str | Path, *, runner_spec: str = RUNNER, launch=None,
+                 kv_cache_free_gpu_mem_fraction: float | None = None):
         self.engine_dir = Path(engine_dir)
         self.runner_spec = runner_spec
         self.launch = launch
+        self.kv_fraction = kv_cache_free_gpu_mem_fraction   # the recipe's package.triton.kv_cache_free_gpu_mem_fraction
         self._runner = None
         self._worker: MpiWorker | None = None
 
@@ -261,9 +286,10 @@ class EngineSession:
                 raise StageFailed(f"{self.engine_dir}: context logits of a pipeline-parallel engine (pp_size > 1) "
                                   "cannot be read through ModelRunnerCpp; evaluate a build with build.tensorrt_llm.pp: 1")
             if n == 1:
-                self._runner = _factory(self.runner_spec)(str(self.engine_dir))
+                self._runner = _load(self.runner_spec, str(self.engine_dir), self.kv_fraction)
             else:
-                self._worker = MpiWorker(self.engine_dir, n, runner_spec=self.runner_spec, launch=self.launch)
+                self._worker = MpiWorker(self.engine_dir, n, runner_spec=self.runner_spec, launch=self.launch,
+                                         kv_cache_free_gpu_mem_fraction=self.kv_fraction)
         if self._runner is not None:
             return run_request(self._runner, req)
         return self._worker.request(req)
@@ -304,8 +330,12 @@ def validate_engine(engine_dir: str | Path, fp32_logits: torch.Tensor, input_ids
     return {"label": LABEL, **metrics}
 
 
-if __name__ == "__main__":  # mpirun entry: python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR [--runner M:F]
-    args = sys.argv[1:]
-    if len(args) not in (3, 5) or args[0] != "serve" or (len(args) == 5 and args[3] != "--runner"):
-        sys.exit("usage: python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR [--runner MODULE:CALLABLE]")
-    serve(args[1], args[2], args[4] if len(args) == 5 else RUNNER)
+if __name__ == "__main__":  # mpirun entry: python -m pipeline.trtllm.runtime serve ENGINE CHANNEL [--runner M:F] [--kv-fraction F]
+    args, opts = sys.argv[1:4], sys.argv[4:]
+    usage = "usage: python -m pipeline.trtllm.runtime serve ENGINE_DIR CHANNEL_DIR [--runner MODULE:CALLABLE] [--kv-fraction F]"
+    if len(args) != 3 or args[0] != "serve" or len(opts) % 2 or any(k not in ("--runner", "--kv-fraction")
+                                                                    for k in opts[::2]):
+        sys.exit(usage)
+    kv = dict(zip(opts[::2], opts[1::2]))
+    serve(args[1], args[2], kv.get("--runner", RUNNER),
+          float(kv["--kv-fraction"]) if "--kv-fraction" in kv else None)

@@ -5,7 +5,7 @@ from rich.console import Console
 
 from pipeline.errors import ForgeError
 from pipeline.gpus import GPUS, GiB, get_gpu
-from pipeline.memory import fit, plan_memory, render_memory
+from pipeline.trtllm.memory import fit, plan_memory, render_memory
 from pipeline.modelinfo import ModelInfo
 
 
@@ -145,7 +145,7 @@ def test_kv_none_means_activation_dtype(llama7b):
 
 def test_plan_for_recipe_qwen7b_int8_on_rtx4090():
     recipe_mod = pytest.importorskip("pipeline.recipe")
-    from pipeline.memory import plan_for_recipe
+    from pipeline.trtllm.memory import plan_for_recipe
     from pipeline.runner import Runner
 
     try:
@@ -166,7 +166,7 @@ def test_plan_for_recipe_qwen7b_int8_on_rtx4090():
 def test_plan_for_recipe_splits_the_embedding_as_forge_checkpoints_do():
     """forge's checkpoints (ModelOpt export) carry use_parallel_embedding: each rank holds ceil(vocab / tp) rows of
     the table, which the per-rank plan must count (issue 18: plan vs the rank files)."""
-    from pipeline.memory import plan_for_recipe
+    from pipeline.trtllm.memory import plan_for_recipe
     from pipeline.recipe import resolve
     from pipeline.runner import Runner
 
@@ -179,3 +179,70 @@ def test_plan_for_recipe_splits_the_embedding_as_forge_checkpoints_do():
     assert any("embedding split over the 2 TP ranks" in n for n in plan.notes)
     replicated = plan_memory(info, **{**plan.args, "parallel_embedding": False})
     assert replicated.weights["embedding"]["bytes"] == 152064 * 3584 * 2
+
+
+def test_quant_suggestion_asks_the_builds_own_rule():
+    """Issue 40: `forge memory` suggested int4_awq, which trtllm/build_config.validate_build refuses for every family
+    (no checkpoint contract); the suggestion now asks that rule. A 26 B Llama-shaped model on a 4090: INT8 does not
+    fit, INT4 does; the suggestion is the INT4 algo the build accepts."""
+    from pipeline.trtllm.build_config import validate_build
+    from pipeline.trtllm.memory import suggestable_quant_algos
+
+    big = ModelInfo.from_hf_config({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 7168,
+                                    "num_attention_heads": 56, "num_key_value_heads": 8, "num_hidden_layers": 48,
+                                    "intermediate_size": 19456, "vocab_size": 32000, "max_position_embeddings": 4096})
+    p = plan_memory(big, quant_algo="none", max_batch_size=1, max_seq_len=1024, max_num_tokens=1024)
+    gpu = get_gpu("rtx4090")
+    assert plan_memory(big, **{**p.args, "quant_algo": "int4_awq"}).total_bytes <= gpu.memory_bytes   # would fit
+    [q] = [s for s in fit(p, gpu).suggestions if s.key == "quant_algo"]
+    assert q.value == "int4_wo" and q.recipe_key == "quantize.algo"
+    refused = validate_build({"tp": 1}, {"algo": "int4_awq"}, big, 89)
+    assert any(x.startswith("quantize.algo: int4_awq") for x in refused)
+    assert "int4_awq" not in suggestable_quant_algos(p, gpu)
+    assert not [x for x in validate_build({"tp": 1}, {"algo": q.value}, big, 89) if x.startswith("quantize.algo")]
+
+
+def test_suggestable_quant_algos_follow_the_family_and_gpu_rules():
+    from pipeline.trtllm.memory import suggestable_quant_algos
+
+    qwen3 = ModelInfo.bundled("Qwen/Qwen3-8B")               # per-head q/k norms: no SmoothQuant plugin path
+    p = plan_memory(qwen3, tp=2, max_batch_size=1, max_seq_len=128)
+    got = suggestable_quant_algos(p, get_gpu("h100"))
+    assert "int8_sq_per_token" not in got and {"int8_sq", "int8_wo", "fp8"} <= set(got)
+    assert "fp8" not in suggestable_quant_algos(p, get_gpu("a100"))       # SM 8.0 has no FP8
+    gemma = ModelInfo.bundled("google/gemma-3-270m")          # 1 KV head: tp 2 duplicates it, SmoothQuant refused
+    g = plan_memory(gemma, tp=2, dtype="bfloat16", max_batch_size=1, max_seq_len=128)
+    got = suggestable_quant_algos(g, get_gpu("h100"))
+    assert not {"int8_sq", "int8_sq_per_token", "int4_awq"} & set(got) and "int8_wo" in got
+
+
+@pytest.mark.parametrize("algo,group", [("int4_zp", 64), ("int4_awq", 96)])
+def test_plan_for_recipe_takes_the_quantizers_group_size(algo, group):
+    """No quantize.block_size: the plan counts the group size the quantizer quantizes with for this model (SmolLM2:
+    128 does not divide 576; int4_zp takes 64, the groupwise GEMM's, int4_awq the model's 96), the one the quantize
+    stage records and the checkpoint writes. It planned 128 and refused the recipe."""
+    from pipeline.recipe import resolve
+    from pipeline.runner import Runner
+    from pipeline.trtllm.memory import plan_for_recipe
+    from pipeline.trtllm.quantizers import QUANTIZERS
+
+    r = resolve("smollm2-135m-trtllm-tp3", [f"quantize.algo={algo}", "quantize.alpha=null", "build.tensorrt_llm.tp=1"])
+    assert r.quantize.block_size is None
+    info = Runner(r).model_info()
+    plan, [v] = plan_for_recipe(r, info, "h100")
+    qz = QUANTIZERS[algo]
+    opts = qz.options_of(r.quantize)
+    assert plan.args["group_size"] == group == qz.record(r.quantize, opts, info)["block_size"] \
+        == qz.checkpoint_quantization(opts, "none", info)["group_size"]
+    assert v.fits
+    h, i, L = 576, 1536, 30                                  # SmolLM2: 9 heads / 3 KV heads of 64, tp 1
+    per_layer = [(h, 15 * 64), (h, h), (h, i), (h, i), (i, h)]  # (in, out): qkv, dense, gate, up, down
+    per_group = 2 if algo == "int4_zp" else 1                 # int4_zp: a scale and a zero per group, fp16
+    scales = L * sum(per_group * (a // group) * b * 2 for a, b in per_layer)
+    if algo == "int4_awq":                                    # plus AWQ's pre-quant smoothing vector per linear
+        scales += L * sum(a * 2 for a, _ in per_layer)
+    assert plan.weights["quant scales"]["bytes"] == scales
+    # an explicit block size is what the plan takes
+    r64 = resolve("smollm2-135m-trtllm-tp3", [f"quantize.algo={algo}", "quantize.alpha=null", "quantize.block_size=64",
+                                              "build.tensorrt_llm.tp=1"])
+    assert plan_for_recipe(r64, info, "h100")[0].args["group_size"] == 64

@@ -44,7 +44,7 @@ def engine_config(recipe) -> dict:
             "build_config": {"max_batch_size": b.max_batch_size, "max_beam_width": b.max_beam_width,
                              "max_input_len": b.max_input_len, "max_seq_len": b.max_seq_len,
                              "kv_cache_type": b.kv_cache_type.upper(), "gather_context_logits": b.gather_context_logits,
-                             "plugin_config": {"context_fmha": b.context_fmha,
+                             "plugin_config": {"context_fmha": b.context_fmha, "tokens_per_block": b.tokens_per_block,
                                                "use_paged_context_fmha": b.use_paged_context_fmha}}}
 
 
@@ -127,6 +127,24 @@ def test_generated_tensorrt_llm_config_meets_the_contract(generated):
     assert params["batch_scheduler_policy"] == t.batch_scheduler_policy
     assert bool(cfg.get("model_transaction_policy", {}).get("decoupled", False)) == t.decoupled
     assert len(params["gpu_device_ids"].split(",")) == r.build.tensorrt_llm.tp * r.build.tensorrt_llm.pp
+
+
+def test_kv_pool_is_capped_at_what_the_memory_plan_reserves(generated):
+    """Issue 40: max_tokens_in_paged_kv_cache = max_batch_size x ceil(window / tokens_per_block) x tokens_per_block,
+    the plan's own KV cache, so the buffers the runtime allocates after the pool get the rest; absent for Gemma 3,
+    whose two window sizes make TensorRT-LLM 1.2 ignore it (the plan then budgets by the fraction alone)."""
+    from pipeline.trtllm.memory import plan_for_recipe
+    r, repo = generated
+    params = contract.model_parameters(as_json(parse_all_configs(repo)["tensorrt_llm"]))
+    b = r.build.tensorrt_llm
+    plan, _ = plan_for_recipe(r, ModelInfo.from_hf_config(hf_config(r)), "h100", deploy=True)
+    if r.name == "gemma3-270m-trtllm":
+        assert "max_tokens_in_paged_kv_cache" not in params and plan.kv_max_tokens is None
+        return
+    window = 4096 if r.name == "mistral7b-int8wo" else b.max_seq_len
+    hand = b.max_batch_size * -(-window // b.tokens_per_block) * b.tokens_per_block
+    assert int(params["max_tokens_in_paged_kv_cache"]) == hand == plan.kv_max_tokens
+    assert plan.kv_max_tokens * plan.kv_bytes_per_token == plan.kv_cache_paged_bytes
 
 
 @pytest.mark.parametrize("change,expect", [

@@ -62,15 +62,18 @@ class FakeRunner:
         _log("shutdown", self.engine_dir)
 
 
-def make(engine_dir):
+def make(engine_dir, **kw):
+    """A runner factory (``module:callable``): engine_dir, plus the KV settings forge passes when it has them."""
+    if kw:
+        _log("kw", engine_dir, json.dumps(kw, sort_keys=True))
     return FakeRunner(engine_dir)
 
 
-def make_non_leader(engine_dir):
+def make_non_leader(engine_dir, **kw):
     return FakeRunner(engine_dir, leader=False)
 
 
-def make_broken(engine_dir):
+def make_broken(engine_dir, **kw):
     _log("load", engine_dir)
     raise RuntimeError("rank0.engine: deserialization failed (test fixture)")
 
@@ -107,7 +110,7 @@ class FakeModelRunnerCpp:
                 "output_ids": torch.tensor([[o] for o in outs], dtype=torch.int32)}
 
 
-def make_through_load_runner(engine_dir):
+def make_through_load_runner(engine_dir, **kw):
     """forge's real ``runtime.load_runner`` with ``tensorrt_llm`` (and the GPU check) replaced by the fakes above,
     only for the duration of the call."""
     from pipeline.trtllm import runtime
@@ -122,7 +125,7 @@ def make_through_load_runner(engine_dir):
     sys.modules.update({"tensorrt_llm": trt, "tensorrt_llm.runtime": trt_runtime})
     runtime._require = lambda: None
     try:
-        return runtime.load_runner(engine_dir)
+        return runtime.load_runner(engine_dir, **kw)
     finally:
         runtime._require = require
         for n, m in saved.items():
@@ -130,6 +133,11 @@ def make_through_load_runner(engine_dir):
                 sys.modules.pop(n, None)
             else:
                 sys.modules[n] = m
+
+
+def factory_kwargs() -> list[dict]:
+    """The keywords forge passed each runner factory that got any (``make``), in order."""
+    return [json.loads(e.split("\t", 1)[1]) for e in events() if e.startswith("kw ")]
 
 
 def from_dir_kwargs() -> list[dict]:

@@ -193,3 +193,23 @@ def test_weight_only_int8_exports_float_weights(tmp_path):
     assert check_contract(tmp_path / "c") == []
     r = compare_logits(ref32, ReferenceModel(tmp_path / "c").logits(ids), ids)
     assert r["logits_cosine"] > 0.999 and abs(r["ppl_delta_pct"]) < 1, r
+
+
+def test_weight_only_export_keeps_the_kv_cache_scales(tmp_path):
+    """int8_wo / int4_wo / int4_zp export float linears, but a quantized KV cache keeps its scales and algo (the
+    export once disabled the k/v BMM quantizers with the linears' and wrote a checkpoint without KV quantization)."""
+    import modelopt.torch.quantization as mtq
+
+    from trtllm_tiny import modelopt_config
+    m = tiny_qwen2(tmp_path / "hf")
+    info = ModelInfo.from_dir(tmp_path / "hf")
+    q = {"algo": "int8_wo", "kv_cache": "int8"}
+    calib = tokens(4, 32, seed=11)
+    mtq.quantize(m, modelopt_config(q, info), lambda mm: [mm(calib[i:i + 2]) for i in range(0, 4, 2)])
+    write_checkpoint(m, info, tmp_path / "hf", tmp_path / "c", dtype="float16", tp=1, quant=q)
+    cfg = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert cfg["quantization"]["quant_algo"] == "W8A16" and cfg["quantization"]["kv_cache_quant_algo"] == "INT8"
+    sd = load_file(str(tmp_path / "c" / "rank0.safetensors"))
+    assert sd["transformer.layers.0.attention.kv_cache_scaling_factor"].item() > 0
+    assert sd["transformer.layers.0.mlp.fc.weight"].dtype == torch.float16        # the linears stay float
+    assert check_contract(tmp_path / "c") == []

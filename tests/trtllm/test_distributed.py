@@ -70,7 +70,7 @@ def test_forge_memory_weights_per_rank_match_the_checkpoint_files(request, case)
     """`forge memory`'s per-rank weights against the bytes of each rank{N}.safetensors ModelOpt wrote: the decoder
     linears and the (parallel) embedding exactly, the whole within 0.1 %; replicating the embedding (the planner's
     old assumption) would be (tp - 1) / tp of the table too much."""
-    from pipeline.memory import plan_memory, rank_weight_bytes
+    from pipeline.trtllm.memory import plan_memory, rank_weight_bytes
     from pipeline.modelinfo import ModelInfo
     if case.startswith("int8_sq"):
         ckpt, quant, kv, tp, pp = request.getfixturevalue("qwen_sq_tp2"), "int8_sq", "int8", 2, 1
@@ -92,48 +92,6 @@ def test_forge_memory_weights_per_rank_match_the_checkpoint_files(request, case)
     if pp == 1:
         assert replicated.weights_bytes - plan.weights_bytes == info.vocab_size * info.hidden_size * 2 - \
             ranks[0]["embedding"]
-
-
-def _tp_memory_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("tp_memory", Path(__file__).parents[2] / "lab/tp_memory.py")
-    tpm = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tpm)
-    return tpm
-
-
-@pytest.mark.parametrize("tp", [1, 2, 4])
-def test_forge_memory_weights_at_qwen7b_shape_match_the_contract(tp):
-    """Qwen2.5-7B shape, int8_sq + INT8 KV: the plan's per-rank weights vs the bytes of the tensors the contract
-    puts in each rank file (no file written). The plan leaves out only the 4-byte KV-cache scale per layer."""
-    tpm = _tp_memory_script()
-    res = tpm.plan_only(json.loads(Path(tpm.QWEN7B).read_text()), tp, None, 8, 4096)
-    assert res["layers"] == 28
-    for r in res["ranks"]:
-        assert r["contract_bytes"] - res["plan_weights_bytes"] == 28 * 4, r
-        assert r["by_part"]["embedding"] == -(-152064 // tp) * 3584 * 2
-
-
-def test_tp_memory_script_on_cpu(tmp_path):
-    """lab/tp_memory.py end to end on a tiny shape (gloo): synthetic int8_sq + INT8-KV checkpoint, torchrun,
-    plan beside it. On CPU there is no GPU memory to report; the rank files must match the plan's weights."""
-    tpm = _tp_memory_script()
-    cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 301,
-                               "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-                               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-                               "rope_theta": 1e6, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}))
-    assert tpm.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work"), "--config", str(cfg),
-                     "--tp", "2", "--samples", "2", "--seq-len", "16", "--device", "cpu", "--compare"]) == 0
-    res = json.loads((tmp_path / "out/tp_memory.json").read_text())
-    (run,) = res["runs"]
-    assert run["tp"] == 2 and run["backend"] == "gloo" and run["compare"]["max_abs"] == 0.0
-    for r in run["ranks"]:
-        assert abs(r["plan_weights_vs_rank_file"] - 1) < 1e-3, r
-        assert r["resident_gpu_bytes"] is None and r["peak_gpu_bytes"] is None
-    assert run["plan"]["args"]["tp"] == 2 and run["plan"]["args"]["max_batch_size"] == 2
-    md = (tmp_path / "out/tp_memory.md").read_text()
-    assert md.count("\n| 2 | ") == 2
 
 
 def test_without_torchrun_exit_2_with_the_launch_line(capsys, monkeypatch, tmp_path):

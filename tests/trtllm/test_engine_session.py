@@ -54,6 +54,8 @@ def evaluate_ctx(tmp_path, monkeypatch):
     from pipeline.stages.base import StageContext
 
     class Ref:
+        config = None                      # TorchReference.config (the HF config; a simulated reference reads it)
+
         def __init__(self, mdir, device=None):     # TorchReference's signature (device: where the FP32 model runs)
             pass
 
@@ -98,6 +100,8 @@ def test_evaluation_loads_the_engine_once(evaluate_ctx, world_size):
     assert fake.events()[-1].startswith("shutdown "), fake.events()   # released at the end of the evaluation
     assert m["top1_agreement"] == 1.0 and m["ppl_delta_pct"] == 0.0 and m["tokens"] == 5 * 12
     assert m["greedy_exact_match"] == 1.0
+    # the KV fraction the memory plan assumes reached the runner (in process at tp 1, in the worker at tp 3)
+    assert fake.factory_kwargs() == [{"kv_cache_free_gpu_mem_fraction": 0.9}], fake.events()
     if world_size > 1:   # the worker (another process) loaded it, not this one
         assert loads()[0].split()[1] != str(os.getpid())
 
@@ -211,6 +215,11 @@ def test_runner_gets_the_per_layer_attention_window(tmp_path, world_size, pretra
     calls = fake.from_dir_kwargs()
     assert len(calls) == 1, fake.events()
     assert calls[0]["kv_cache_enable_block_reuse"] is False
+    # the KV pool cap (issue 40): trtllm-build's default 2048 sequences of the one window, whole 32-token blocks;
+    # none with two window sizes (Gemma 3), which TensorRT-LLM ignores the cap for
+    one = {w for w in (expect or [max_seq_len])}
+    assert calls[0].get("max_tokens_in_paged_kv_cache") == (2048 * -(-one.pop() // 32) * 32 if len(one) == 1 else None)
+    assert "kv_cache_free_gpu_memory_fraction" not in calls[0]
     if expect is None:
         assert "max_attention_window_size" not in calls[0]
     else:
@@ -218,3 +227,19 @@ def test_runner_gets_the_per_layer_attention_window(tmp_path, world_size, pretra
         assert len(expect) == pretrained["num_hidden_layers"]
     if world_size > 1:   # loaded by the worker process
         assert loads()[0].split()[1] != str(os.getpid())
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_kv_limits_reach_model_runner_cpp(tmp_path, world_size):
+    """The recipe's kv_cache_free_gpu_mem_fraction and the engine's KV cap reach ModelRunnerCpp.from_dir through
+    forge's own load_runner, in process and in the mpirun worker (its --kv-fraction argument)."""
+    eng = windowed_engine_dir(tmp_path, world_size, LLAMA, 100)
+    cfg = json.loads((eng / "config.json").read_text())
+    cfg["build_config"].update(max_batch_size=6, plugin_config={"tokens_per_block": 64})
+    (eng / "config.json").write_text(json.dumps(cfg))
+    with runtime.EngineSession(eng, runner_spec=THROUGH_LOAD_RUNNER, launch=no_mpirun,
+                               kv_cache_free_gpu_mem_fraction=0.75) as s:
+        assert s.generate([5], 2) == fake.greedy([5], 2)
+    [call] = fake.from_dir_kwargs()
+    assert call["kv_cache_free_gpu_memory_fraction"] == 0.75
+    assert call["max_tokens_in_paged_kv_cache"] == 6 * 2 * 64          # 6 sequences x ceil(100 / 64) blocks of 64

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.memory import plan_memory
+from pipeline.trtllm.memory import plan_memory
 from pipeline.modelinfo import ModelInfo
 
 REPO = Path(__file__).resolve().parents[2]

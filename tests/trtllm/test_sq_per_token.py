@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from pipeline.errors import ForgeError
 from pipeline.eval.metrics import compare_logits
 from pipeline.modelinfo import ModelInfo
-from pipeline.quant.configs import resolve_quant_config, trtllm_quantization
+from pipeline.recipe import QuantizeSection
+from pipeline.trtllm.quantizers import QUANTIZERS
 from pipeline.quant.per_token import per_token_activations, per_token_fake_quant
 from pipeline.trtllm.build_config import validate_build
 from pipeline.trtllm.checkpoint import write_checkpoint
@@ -165,9 +166,13 @@ def test_refused_for_families_the_plugin_path_cannot_build(model):
 
 def test_defaults_and_quantization_block():
     smol = ModelInfo.bundled("HuggingFaceTB/SmolLM2-135M-Instruct")
-    assert resolve_quant_config({"algo": "int8_sq_per_token"})["alpha"] == 0.5
-    assert resolve_quant_config({"algo": "int8_sq"})["alpha"] == 1.0
-    assert trtllm_quantization({"algo": "int8_sq_per_token", "kv_cache": "int8"}, smol) == {
+    pt, sq = QUANTIZERS["int8_sq_per_token"], QUANTIZERS["int8_sq"]
+    # each algo's default strength is its options model's (pipeline/recipe_options.py), nowhere else
+    assert pt.options_of(QuantizeSection(algo="int8_sq_per_token")).alpha == 0.5
+    assert sq.options_of(QuantizeSection(algo="int8_sq")).alpha == 1.0
+    q = QuantizeSection(algo="int8_sq_per_token", kv_cache="int8")
+    assert pt.record(q, pt.options_of(q), smol)["alpha"] == 0.5
+    assert pt.checkpoint_quantization(pt.options_of(q), q.kv_cache, smol) == {
         "quant_algo": PT, "kv_cache_quant_algo": "INT8", "smoothquant_val": 0.5}
     assert validate_build({"use_fused_mlp": False}, {"algo": "int8_sq_per_token"}, smol, 90) == []
     p = validate_build({"use_fused_mlp": True}, {"algo": "int8_sq_per_token"}, smol, 90)
@@ -182,9 +187,9 @@ def test_quantize_stage_simulates_per_token_and_saves_a_loadable_artifact(tmp_pa
     tiny_llama(tmp_path / "hf")
     calib, ev = tokens(8, 32, seed=11), tokens(2, 48)
     q = {"method": "ptq", "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 0}}
-    pt = quantize_model(tmp_path / "hf", {**q, "algo": "int8_sq_per_token", "alpha": 0.5}, calib, tmp_path / "a",
-                        eval_windows=ev)
-    st = quantize_model(tmp_path / "hf", {**q, "algo": "int8_sq", "alpha": 0.5}, calib, tmp_path / "b",
+    pt = quantize_model(tmp_path / "hf", QuantizeSection(**q, algo="int8_sq_per_token", alpha=0.5), calib,
+                        tmp_path / "a", eval_windows=ev)
+    st = quantize_model(tmp_path / "hf", QuantizeSection(**q, algo="int8_sq", alpha=0.5), calib, tmp_path / "b",
                         eval_windows=ev)
     assert pt["per_token_quantizers"] == 14 and "per_token_quantizers" not in st
     assert pt["ppl_ptq"] != st["ppl_ptq"]                       # same calibration, another activation format

@@ -23,7 +23,7 @@ def test_flow_builds_both_engines_and_packages_the_deploy_engine():
     assert names.index("build") < names.index("build_deploy") < names.index("package")
     pkg = TrtllmPackage()
     assert pkg.needs[0] == "build_deploy" and "build" in pkg.needs and "evaluate" in pkg.needs
-    assert pkg.version == "7" and TrtllmBuildDeploy().version == "1"
+    assert pkg.version == "8" and TrtllmBuildDeploy().version == "1"
     assert TrtllmBuildDeploy().needs == TrtllmBuildStage().needs == ("checkpoint", "validate_checkpoint")
 
 

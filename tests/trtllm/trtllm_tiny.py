@@ -13,12 +13,13 @@ os.environ.setdefault("FORGE_PROGRESS", "0")
 VOCAB = 301  # odd on purpose: lm_head / embedding padding to a multiple of tp is exercised
 
 
-def tiny_qwen2(path: Path, kv_heads: int = 1, layers: int = 4):
+def tiny_qwen2(path: Path, kv_heads: int = 1, layers: int = 4, hidden: int = 64):
     """Qwen2 with qkv bias, 4 heads / 1 KV head (kv_heads < tp for tp 2), 4 layers (pp 2 splits evenly).
-    ``kv_heads=2``: int8_sq at tp 2 (ModelOpt cannot duplicate per-channel k/v scales)."""
+    ``kv_heads=2``: int8_sq at tp 2 (ModelOpt cannot duplicate per-channel k/v scales). ``hidden=128``: widths
+    groupwise int4 takes (multiples of 64 x tp; intermediate 2 x hidden)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       rope_theta=1e6, tie_word_embeddings=False, initializer_range=0.15)
     m = Qwen2ForCausalLM(cfg).eval()
@@ -29,16 +30,23 @@ def tiny_qwen2(path: Path, kv_heads: int = 1, layers: int = 4):
     return m
 
 
-def tiny_llama(path: Path):
-    """Llama with tied embeddings, 6 heads / 3 KV heads (tp 3 like SmolLM2), rope_theta 1e5."""
+def tiny_llama(path: Path, *, hidden: int = 96, heads: int = 6, kv_heads: int = 3, seed: int = 1, layers: int = 2):
+    """Llama with tied embeddings, 6 heads / 3 KV heads (tp 3 like SmolLM2), rope_theta 1e5, 2 layers,
+    intermediate 2 x hidden."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(1)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=256,
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=256,
                       rope_theta=1e5, tie_word_embeddings=True, initializer_range=0.15)
     m = LlamaForCausalLM(cfg).eval()
     m.save_pretrained(path)
     return m
+
+
+def tiny_llama_g64(path: Path):
+    """Llama whose every linear width is a multiple of 128 (hidden 128, 4 heads of 32 / 2 KV heads, intermediate
+    256): the groupwise int4 layout with group 64 at tp 1 and 2 (widths multiples of 64 x tp)."""
+    return tiny_llama(path, hidden=128, heads=4, kv_heads=2, seed=2)
 
 
 def tokens(n=2, t=48, seed=5):
@@ -58,6 +66,24 @@ def edit(path, fn):
     sd = load_file(str(path))
     fn(sd)
     save_file(sd, str(path))
+
+
+def mutated_contract(mutable, src, rank: int, mutate) -> list[str]:
+    """Contract problems of a copy of checkpoint ``src`` whose ``rank{rank}.safetensors`` ``mutate`` edited."""
+    from pipeline.trtllm.contract import check_contract
+    ckpt = mutable(src)
+    edit(ckpt / f"rank{rank}.safetensors", mutate)
+    return check_contract(ckpt)
+
+
+def modelopt_config(q: dict, info) -> dict:
+    """The ModelOpt config of a quantize section written as a dict, through its quantizer (trtllm/quantizers.py):
+    the section validated by the recipe schema, the options by the quantizer's model, as the quantize stage does."""
+    from pipeline.recipe import QuantizeSection
+    from pipeline.trtllm.quantizers import quantizer_of
+    s = QuantizeSection.model_validate(q)
+    qz = quantizer_of(s)
+    return qz.modelopt_config(qz.options_of(s), s.kv_cache, info)
 
 
 def int8_sq(model, kv_int8=False):
@@ -111,3 +137,48 @@ def tiny_family(name: str, path: Path, seed: int = 3):
                 p.add_(torch.randn_like(p) * 0.2)
     m.save_pretrained(path)
     return m
+
+
+def torch_model_from_checkpoint(hf_dir: Path, ckpt_dir: Path, weight):
+    """The HF model of ``hf_dir`` (fp32) carrying a tp 1 checkpoint's tensors: ``weight(tensors, prefix)`` gives the
+    float weight [out, in] of the TensorRT-LLM linear ``prefix`` (e.g. "transformer.layers.0.attention.qkv");
+    norms, embedding and biases are copied as stored. The fake-quantized torch model the reference numerics are held
+    to (the formats' tests add the activation quantization as forward pre-hooks)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    sd = load_file(str(Path(ckpt_dir) / "rank0.safetensors"))
+    m = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    c = m.config
+    d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
+    with torch.no_grad():
+        m.model.embed_tokens.weight.copy_(sd["transformer.vocab_embedding.weight"].float())
+        m.model.norm.weight.copy_(sd["transformer.ln_f.weight"].float())
+        for i, layer in enumerate(m.model.layers):
+            p = f"transformer.layers.{i}."
+            layer.input_layernorm.weight.copy_(sd[p + "input_layernorm.weight"].float())
+            layer.post_attention_layernorm.weight.copy_(sd[p + "post_layernorm.weight"].float())
+            at, mlp = layer.self_attn, layer.mlp
+            qkv = weight(sd, p + "attention.qkv")
+            for lin, rows in zip((at.q_proj, at.k_proj, at.v_proj), qkv.split([nq, nkv, nkv])):
+                lin.weight.copy_(rows)
+            if p + "attention.qkv.bias" in sd:
+                for lin, b in zip((at.q_proj, at.k_proj, at.v_proj), sd[p + "attention.qkv.bias"].float().split(
+                        [nq, nkv, nkv])):
+                    lin.bias.copy_(b)
+            at.o_proj.weight.copy_(weight(sd, p + "attention.dense"))
+            mlp.gate_proj.weight.copy_(weight(sd, p + "mlp.fc"))      # TensorRT-LLM's fc is HF's gate_proj
+            mlp.up_proj.weight.copy_(weight(sd, p + "mlp.gate"))      # and its gate HF's up_proj
+            mlp.down_proj.weight.copy_(weight(sd, p + "mlp.proj"))
+    return m
+
+
+def as_float32_checkpoint(ckpt_dir: Path, dst: Path) -> Path:
+    """A copy of ``ckpt_dir`` whose config says float32: the reference then rounds nothing between layers, so it is
+    comparable bit for bit (up to float32 summation order) with a float32 torch model of the same tensors."""
+    import json
+    shutil.copytree(ckpt_dir, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["dtype"] = "float32"
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst

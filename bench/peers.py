@@ -7,8 +7,8 @@
 * ONNX Runtime GenAI's runtime (its C++ token loop) on OUR INT8 engine: the GroupQueryAttention graph follows
   GenAI's model contract, so a ``genai_config.json`` is all it needs. This is the "run our engines under
   onnxruntime-genai" alternative to our own runtime, measured side by side with it.
-* Olive (``olive auto-opt --precision int8``, CPU): its INT8 model, run by our runtime (its graph has the
-  HF/Optimum KV-cache contract, the runtime's ``concat`` layout) or by GenAI when Olive wrote a genai_config.
+* Olive (``olive auto-opt --precision int8``, CPU) on our FP32 engine's ONNX graph (its own HF export cannot run
+  with the pinned transformers / onnxruntime-genai: ``build_olive_int8`` says why), run by our runtime.
 
 Each peer is skipped with the reason when its package (or input) is missing.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -66,22 +67,52 @@ def make_q8_0(src: Path, dst: Path, threads: int) -> Path:
     return dst
 
 
-def build_oga_int4(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
-    """ORT GenAI model builder, INT4 CPU. Rebuilt only when the stamp (source dir + builder version) changes."""
+# ORT GenAI's model builder for the GPU bench's INT4 peer: RTN, symmetric, block 32 (issue 38 measured that). These
+# are the 0.18 builder's defaults (onnxruntime_genai/models/builder.py of the onnxruntime-genai 0.18.0 wheel:
+# block_size "Default value is 32", is_symmetric "Default is true", algo_config 'default' = RTN; the int4_-prefixed
+# names are deprecated aliases); given explicitly so that a changed default cannot move the peer.
+OGA_INT4_RTN_SYM_B32 = ("block_size=32", "is_symmetric=true")
+
+
+def build_oga(hf_dir: Path, dst: Path, precision: str, ep: str, extra_options: tuple[str, ...] = ()) -> dict:
+    """ORT GenAI's model builder (``-p PRECISION -e EP [--extra_options ...]``) from an HF dir into ``dst``, in its
+    own process; rebuilt only when the stamp (source dir + builder version + arguments) changes. Returns
+    {path, reused, build_s, peak_rss_bytes (the builder process's ru_maxrss, from wait4), log}."""
+    args = ["-p", precision, "-e", ep] + (["--extra_options", *extra_options] if extra_options else [])
     stamp = {"hf_dir": str(Path(hf_dir).resolve()), "onnxruntime_genai": _version("onnxruntime-genai"),
-             "args": "-p int4 -e cpu"}
+             "args": " ".join(args)}
     sf = dst / "forge_bench_stamp.json"
     if sf.exists() and json.loads(sf.read_text()) == stamp and (dst / "genai_config.json").exists():
-        return dst, None
+        return {"path": str(dst), "reused": True, "args": stamp["args"]}
     dst.mkdir(parents=True, exist_ok=True)
+    for stale in (sf, dst / "genai_config.json"):     # a failed rebuild must not leave the old model looking whole
+        stale.unlink(missing_ok=True)
+    log = dst.parent / f"{dst.name}.build.log"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(dst), *args,
+           "-c", str(dst.parent / "oga-cache")]
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(dst),
-           "-p", "int4", "-e", "cpu", "-c", str(dst.parent / "oga-cache")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"onnxruntime_genai model builder failed ({r.returncode}): {r.stderr[-2000:]}")
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    secs = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"onnxruntime_genai model builder {' '.join(args)} failed ({proc.returncode}) after "
+                           f"{secs:.0f} s: {log.read_text(errors='replace')[-2000:]}")
     sf.write_text(json.dumps(stamp))
-    return dst, time.perf_counter() - t0
+    return {"path": str(dst), "reused": False, "args": stamp["args"], "build_s": secs,
+            "peak_rss_bytes": usage.ru_maxrss * 1024, "log": str(log)}
+
+
+def build_oga_int4(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
+    """ORT GenAI model builder, INT4 CPU (the CPU bench's peer): (dir, seconds or None when reused)."""
+    r = build_oga(hf_dir, dst, "int4", "cpu")
+    return Path(r["path"]), r.get("build_s")
 
 
 def genai_config(engine_dir: Path, max_length: int = 4096) -> dict:
@@ -123,29 +154,49 @@ def oga_on_ours(engine_dir: Path, dst: Path) -> Path:
     return dst
 
 
-def build_olive_int8(hf_dir: Path, dst: Path) -> tuple[Path, float | None]:
-    """``olive auto-opt --precision int8`` on CPU; rebuilt only when the stamp changes. Returns the model dir."""
-    stamp = {"hf_dir": str(Path(hf_dir).resolve()), "olive_ai": _version("olive-ai"), "args": "--precision int8"}
+# Olive 0.13.0 cannot make its model from the HF dir with this project's pinned stack (transformers 5.25,
+# onnxruntime-genai 0.18.0), each of its three routes tried on SmolLM2 (2026-12-07):
+# - its OnnxConversion pass (TorchScript exporter, the default) cannot trace transformers 5's DynamicCache
+#   ("RuntimeError: Only tuples, lists and Variables are supported as JIT inputs/outputs ... DynamicCache"); olive
+#   then exits 0 printing "No output model produced": the "olive wrote no .onnx" of issue 41;
+# - --use_dynamo_exporter sorts its dynamic shapes by the forward's parameter names, and transformers 5.25 renamed
+#   ``past_key_values`` to ``cache`` ("ValueError: 'past_key_values' is not in list");
+# - --use_model_builder patches ``onnxruntime_genai.models.quantized_model``, a module genai 0.18 no longer has.
+# So the peer runs Olive's own CPU INT8 passes (peephole + transformer optimisation + OnnxDynamicQuantization:
+# `olive auto-opt --precision int8` on an ONNX model) on our FP32 engine's graph, the graph our INT8 starts from.
+OLIVE_FROM_HF_FAILS = ("olive-ai 0.13's HF export cannot run with transformers 5.25 / onnxruntime-genai 0.18 "
+                       "(bench/peers.py says why), so its INT8 passes run on our FP32 graph")
+
+
+def build_olive_int8(fp32_dir: Path, dst: Path) -> tuple[Path, float | None]:
+    """``olive auto-opt --precision int8`` (CPU) on our FP32 engine's ONNX graph; rebuilt only when the stamp (input
+    graph + olive version) changes. The result gets our engine's side files (tokenizer, forge_ort.json, marked as
+    dynamic INT8: not batch-invariant) so that our runtime runs it. Returns the model dir and the build seconds."""
+    from pipeline.ort.export import META_FILE, MODEL_FILE, copy_side_files
+
+    src = Path(fp32_dir) / MODEL_FILE
+    stamp = {"input": str(src.resolve()), "olive_ai": _version("olive-ai"), "args": "--precision int8"}
     sf = dst / "forge_bench_stamp.json"
-    if sf.exists() and json.loads(sf.read_text()) == stamp:
-        return _olive_model_dir(dst), None
-    dst.mkdir(parents=True, exist_ok=True)
+    if sf.exists() and json.loads(sf.read_text()) == stamp and (dst / MODEL_FILE).exists():
+        return dst, None
+    import shutil
+
+    shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
-    cmd = [sys.executable, "-m", "olive", "auto-opt", "-m", str(hf_dir), "-o", str(dst), "--device", "cpu",
+    cmd = [sys.executable, "-m", "olive", "auto-opt", "-m", str(src), "-o", str(dst), "--device", "cpu",
            "--provider", "CPUExecutionProvider", "--precision", "int8"]
     r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"olive auto-opt failed ({r.returncode}): {(r.stderr or r.stdout)[-2000:]}")
-    model_dir = _olive_model_dir(dst)
+    if r.returncode != 0 or not (dst / MODEL_FILE).exists():
+        # olive exits 0 when no pass produced a model ("No output model produced"): judge by the file
+        tail = "\n".join(x for x in (r.stdout + r.stderr).splitlines() if not x.startswith("WARNING: Location"))
+        raise RuntimeError(f"olive auto-opt (exit {r.returncode}) wrote no {MODEL_FILE} under {dst}: {tail[-1500:]}")
+    copy_side_files(Path(fp32_dir), dst)
+    meta = json.loads((dst / META_FILE).read_text())
+    meta["quantization"] = {"algo": "int8", "method": "dynamic", "by": f"olive-ai {stamp['olive_ai']} auto-opt"}
+    meta["batch_invariant"] = False     # OnnxDynamicQuantization: one activation scale per tensor over the batch
+    (dst / META_FILE).write_text(json.dumps(meta, indent=2))
     sf.write_text(json.dumps(stamp))
-    return model_dir, time.perf_counter() - t0
-
-
-def _olive_model_dir(dst: Path) -> Path:
-    found = sorted(dst.rglob("*.onnx"))
-    if not found:
-        raise RuntimeError(f"olive wrote no .onnx under {dst}")
-    return found[0].parent
+    return dst, time.perf_counter() - t0
 
 
 def peer_plan(hf_dir: Path | None, work: Path, threads: int, ours: dict[str, str] | None = None) -> list[dict]:
@@ -177,7 +228,8 @@ def peer_plan(hf_dir: Path | None, work: Path, threads: int, ours: dict[str, str
     if not og_v:
         out.append({"name": name, "skipped": "onnxruntime-genai is not installed (pip install onnxruntime-genai)"})
     elif hf_dir is None or not (Path(hf_dir) / "config.json").exists():
-        out.append({"name": name, "skipped": "no fp32 HF model dir for its model builder (pass --hf-dir)"})
+        out.append({"name": name, "skipped": "no fp32 HF model dir for its model builder (the fp32 recipe's report "
+                                             "names none that exists here: pass --hf-dir)"})
     else:
         try:
             d, secs = build_oga_int4(Path(hf_dir), work / "oga-int4")
@@ -201,17 +253,18 @@ def peer_plan(hf_dir: Path | None, work: Path, threads: int, ours: dict[str, str
             out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
     name = "Olive INT8"
     olive_v = _version("olive-ai")
+    fp32 = (ours or {}).get("fp32")
     if not olive_v:
-        out.append({"name": name, "skipped": "olive-ai is not installed (pip install olive-ai)"})
-    elif hf_dir is None or not (Path(hf_dir) / "config.json").exists():
-        out.append({"name": name, "skipped": "no fp32 HF model dir for olive auto-opt (pass --hf-dir)"})
+        out.append({"name": name, "skipped": "olive-ai is not installed (pip install -e '.[peers]')"})
+    elif not fp32:
+        out.append({"name": name, "skipped": "no fp32 engine of ours in this run (" + OLIVE_FROM_HF_FAILS + ")"})
     else:
         try:
-            d, secs = build_olive_int8(Path(hf_dir), work / "olive-int8")
-            kind = "oga" if (d / "genai_config.json").exists() else "ort"
-            out.append({"name": name, "kind": kind, "path": str(d), "version": olive_v,
-                        "note": f"olive-ai {olive_v} auto-opt --precision int8" +
-                                (f" (built in {secs:.0f} s)" if secs else " (reused)")})
+            d, secs = build_olive_int8(Path(fp32), work / "olive-int8")
+            out.append({"name": name, "kind": "ort", "path": str(d), "version": olive_v,
+                        "note": f"olive-ai {olive_v} auto-opt --precision int8 on our FP32 graph (its HF export "
+                                f"cannot run here: bench/peers.py)" +
+                                (f", built in {secs:.0f} s" if secs else ", reused")})
         except Exception as e:
             out.append({"name": name, "skipped": f"{type(e).__name__}: {e}"})
     return out
@@ -261,13 +314,27 @@ class OgaAdapter:
 
     supports_batch_prefill = True
 
-    def __init__(self, name: str, path: str, threads: int, note: str = "INT4 CPU model"):
+    def __init__(self, name: str, path: str, threads: int, note: str = "INT4 CPU model",
+                 cuda_graph: bool | None = None):
         import onnxruntime_genai as og
 
         self.og, self.name = og, name
         set_oga_threads(Path(path), threads)
-        self.model = og.Model(path)
-        self.what = f"onnxruntime-genai {_version('onnxruntime-genai')}: {note}, {threads} threads"
+        if cuda_graph is None:
+            self.model = og.Model(path)
+            self.what = f"onnxruntime-genai {_version('onnxruntime-genai')}: {note}, {threads} threads"
+        else:
+            # the CUDA provider with graph capture on or off, whatever the builder wrote in genai_config.json. With
+            # it on, GenAI sizes its graph buffers for max_batch_size 1 unless told otherwise
+            # (microsoft/onnxruntime-genai@a0c04eb1313b886c963e415bbd974748cb89a4eb src/generators.cpp,
+            # GeneratorParams), which is how batch 8 can fail there: the bench records that failure per figure.
+            cfg = og.Config(path)
+            cfg.clear_providers()
+            cfg.append_provider("cuda")
+            cfg.set_provider_option("cuda", "enable_cuda_graph", "1" if cuda_graph else "0")
+            self.model = og.Model(cfg)
+            self.what = (f"onnxruntime-genai {_version('onnxruntime-genai')}: {note}, CUDA provider, CUDA graph "
+                         f"{'on' if cuda_graph else 'off'}")
         self.generate_batch = self._generate
 
     def _start(self, ids: np.ndarray, n: int):

@@ -38,13 +38,34 @@ def gpu_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     return list(tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["gpu"])
 
 
+def _pinned(reqs: list[str], dist: str) -> str | None:
+    """X of ``dist==X`` (extras dropped) in the requirements, None when ``dist`` is not pinned exactly."""
+    for r in reqs:
+        m = re.match(re.escape(dist) + r"(\[[^\]]*\])?==([\w.]+)(;.*)?$", r.replace(" ", ""))
+        if m:
+            return m.group(2)
+    return None
+
+
 def ort_gpu_pin(reqs: list[str]) -> str:
     """``onnxruntime-gpu==X`` (extras dropped) from the requirements."""
-    for r in reqs:
-        m = re.match(r"onnxruntime-gpu(\[[^\]]*\])?(==[\w.]+)$", r.replace(" ", ""))
-        if m:
-            return "onnxruntime-gpu" + m.group(2)
-    raise ValueError(f"pyproject.toml [project.optional-dependencies] gpu pins no onnxruntime-gpu==X: {reqs}")
+    v = _pinned(reqs, "onnxruntime-gpu")
+    if v is None:
+        raise ValueError(f"pyproject.toml [project.optional-dependencies] gpu pins no onnxruntime-gpu==X: {reqs}")
+    return "onnxruntime-gpu==" + v
+
+
+def ort_cpu_pin(pyproject: Path = ROOT / "pyproject.toml") -> str:
+    """X of ``onnxruntime==X`` in pyproject's dependencies: the CPU engines' runtime. It equals the GPU pin (one
+    onnxruntime: the version enters the cache key of every onnxruntime stage; tests/test_gpu_setup.py holds them
+    equal), so ``make setup``, ``.[peers]`` and this GPU setup all install the same release."""
+    import tomllib
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    v = _pinned(deps, "onnxruntime")
+    if v is None:
+        raise ValueError(f"{pyproject}: [project] dependencies pin no onnxruntime==X: "
+                         f"{[d for d in deps if d.startswith('onnxruntime')]}")
+    return v
 
 
 def probe_nvml(nvml=None) -> dict:

@@ -27,6 +27,37 @@ def test_requirements_come_from_pyproject_and_pin_one_cuda13_build():
         gs.ort_gpu_pin(["onnxruntime-gpu>=1.20"])
 
 
+# onnxruntime-genai's requirement on onnxruntime, per pinned version (Requires-Dist of its cp311 manylinux wheel's
+# METADATA, read with `pip download --no-deps onnxruntime-genai==0.18.0`): a new genai pin needs its row here
+GENAI_REQUIRES_ORT = {"0.18.0": ">=1.31.0"}
+
+
+def test_one_onnxruntime_for_cpu_gpu_and_peers(tmp_path):
+    """Issue 41: the CPU engines' onnxruntime is pinned to exactly the GPU extra's version, and the peers' GenAI pin
+    accepts it (pip would otherwise move onnxruntime when `make bench-peers` installs `.[peers]`)."""
+    from packaging.specifiers import SpecifierSet
+    import tomllib
+
+    cpu = gs.ort_cpu_pin()
+    assert gs.ort_gpu_pin(gs.gpu_requirements()) == f"onnxruntime-gpu=={cpu}"
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    genai = gs._pinned(extras["peers"], "onnxruntime-genai")
+    assert genai in GENAI_REQUIRES_ORT, f"pin onnxruntime-genai==X in the peers extra; know its onnxruntime need: {genai}"
+    assert cpu in SpecifierSet(GENAI_REQUIRES_ORT[genai])
+    from importlib.metadata import PackageNotFoundError, requires, version
+    try:                            # where the peers are installed, their own metadata says the same
+        installed = version("onnxruntime-genai")
+    except PackageNotFoundError:
+        installed = None
+    if installed == genai:
+        need = [r.replace(" ", "") for r in requires("onnxruntime-genai") if r.replace(" ", "").startswith("onnxruntime>")]
+        assert need and all(cpu in SpecifierSet(r[len("onnxruntime"):]) for r in need), need
+    bad = tmp_path / "pyproject.toml"
+    bad.write_text('[project]\ndependencies = ["onnxruntime>=1.20"]\n')
+    with pytest.raises(ValueError, match="pin no onnxruntime==X"):
+        gs.ort_cpu_pin(bad)
+
+
 def test_probe_takes_nvml_then_nvidia_smi_and_keeps_the_reasons():
     assert gs.probe(lambda: H200, lambda: NONE_SMI, env={})["gpus"] == ["NVIDIA H200"]
     smi = dict(H200, via="nvidia-smi")

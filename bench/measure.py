@@ -128,29 +128,57 @@ def _count_new(out, batch: int, asked: int) -> int:
 def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, reps: int, prefill_len: int = 256,
                     prefill_batches=(1, 4), decode_prompt: int = 32, decode_new: int = 64,
                     decode_batches=(1, 8), warmup: int = 1, progress: Callable[[str], None] | None = None,
-                    clock=None, min_sample_s: float = 0.0) -> dict:
+                    clock=None, min_sample_s: float = 0.0, prefill_shapes=None, ttft_len: int | None = None,
+                    keep_going: bool = False, checkpoint: Callable[[dict], None] | None = None) -> dict:
     """All speed figures of one engine/peer; unsupported cases are recorded with the reason. ``clock``: seconds
-    (default time.perf_counter; tests pass a virtual clock)."""
+    (default time.perf_counter; tests pass a virtual clock).
+
+    ``prefill_shapes`` [(B, T), ...] replaces ``prefill_len`` x ``prefill_batches`` (results keyed "BxT" instead of
+    "B"); ``ttft_len``: the time-to-first-token prompt (default ``prefill_len``; 0: not measured). ``keep_going``: a figure that
+    raises is recorded under ``errors`` and the next one is measured (a GPU peer failing one shape, e.g. ORT
+    GenAI's batch 8 under CUDA graphs, keeps its other figures). ``checkpoint(res)`` is called after every figure,
+    so a caller can write what is measured as it goes."""
     res: dict = {"name": adapter.name, "what": adapter.what, "prefill": {}, "decode": {}, "skipped": {}}
-    for b in prefill_batches:
-        if b > 1 and not getattr(adapter, "supports_batch_prefill", True):
-            res["skipped"][f"prefill_b{b}"] = f"{adapter.name}: no batched prefill in this API"
-            continue
+
+    def figure(label: str, fn: Callable[[], None]) -> None:
         if progress:
-            progress(f"{adapter.name} prefill {b}x{prefill_len}")
-        res["prefill"][str(b)] = measure_prefill(adapter, prompt_ids(vocab_size, b, prefill_len, base=base_ids),
-                                                 reps, warmup, clock, min_sample_s)
-    p1 = prompt_ids(vocab_size, 1, prefill_len, base=base_ids)
-    if progress:
-        progress(f"{adapter.name} time to first token")
-    ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup, clock, min_sample_s)
-    res["ttft"] = {"prompt_tokens": prefill_len, "times_s": ttft, "median_s": median(ttft), "spread_s": spread(ttft)}
+            progress(f"{adapter.name} {label}")
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - recorded per figure when keep_going
+            if not keep_going:
+                raise
+            res.setdefault("errors", {})[label] = f"{type(e).__name__}: {e}"[-2000:]
+        if checkpoint:
+            checkpoint(res)
+
+    shapes = list(prefill_shapes) if prefill_shapes is not None else [(b, prefill_len) for b in prefill_batches]
+    for b, t in shapes:
+        key = f"{b}x{t}" if prefill_shapes is not None else str(b)
+        if b > 1 and not getattr(adapter, "supports_batch_prefill", True):
+            res["skipped"][f"prefill_b{b}" if prefill_shapes is None else f"prefill_{key}"] = \
+                f"{adapter.name}: no batched prefill in this API"
+            continue
+
+        def pre(b=b, t=t, key=key):
+            res["prefill"][key] = measure_prefill(adapter, prompt_ids(vocab_size, b, t, base=base_ids), reps, warmup,
+                                                  clock, min_sample_s)
+        figure(f"prefill {b}x{t}", pre)
+    tl = prefill_len if ttft_len is None else ttft_len
+    p1 = prompt_ids(vocab_size, 1, tl, base=base_ids) if tl else None
+
+    def ttft_fig():
+        ttft = timed(lambda: adapter.generate(p1, 1), reps, warmup, clock, min_sample_s)
+        res["ttft"] = {"prompt_tokens": tl, "times_s": ttft, "median_s": median(ttft), "spread_s": spread(ttft)}
+    if tl:
+        figure("time to first token", ttft_fig)
     for b in decode_batches:
         if b > 1 and getattr(adapter, "generate_batch", None) is None:
             res["skipped"][f"decode_b{b}"] = f"{adapter.name}: no batched generate"
             continue
-        if progress:
-            progress(f"{adapter.name} decode batch {b}")
-        res["decode"][str(b)] = measure_decode(adapter, prompt_ids(vocab_size, b, decode_prompt, base=base_ids),
-                                               decode_new, reps, warmup, clock, min_sample_s)
+
+        def dec(b=b):
+            res["decode"][str(b)] = measure_decode(adapter, prompt_ids(vocab_size, b, decode_prompt, base=base_ids),
+                                                   decode_new, reps, warmup, clock, min_sample_s)
+        figure(f"decode batch {b}", dec)
     return res

@@ -69,11 +69,17 @@ def stage_times(report: dict) -> dict:
     return {"recipe": report.get("recipe"), "status": report.get("status"), "wall_s": total, "stages": out}
 
 
-def hf_dir_from_report(rep: dict) -> str | None:
-    """The HF model dir the source stage resolved (its metrics carry ``model_dir``)."""
+def hf_dir_from_report(rep: dict, home: Path | None = None) -> str | None:
+    """The HF model dir the source stage resolved (its metrics carry ``model_dir``: relative to FORGE_HOME where it
+    lies there, since source stage v3; an absolute path otherwise), as an absolute path; None when it is not here."""
+    from pipeline.host.paths import forge_home
+
     src = next((s for s in rep.get("stages", []) if s.get("name") == "source"), None)
     d = ((src or {}).get("metrics") or {}).get("model_dir")
-    return d if d and (Path(d) / "config.json").exists() else None
+    if not d:
+        return None
+    p = Path(d) if Path(d).is_absolute() else Path(home or forge_home()) / d
+    return str(p) if (p / "config.json").exists() else None
 
 
 def engines_from_reports(root: Path) -> tuple[dict[str, str], dict[str, Path]]:
@@ -377,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         print(f"[bench] no chart: {e} (pip install matplotlib)", file=sys.stderr)
     print(md_text)
+    for n, p in (results.get("peers") or {}).items():     # said last, plainly: which peer did not run and why
+        why = p.get("skipped") if isinstance(p.get("skipped"), str) else p.get("error")
+        if why:
+            print(f"[bench] peer {n} did not run: {why}", file=sys.stderr)
     print(f"[bench] wrote {a.out}/results.json, results.md, chart.png in {results['bench_wall_s']:.0f} s",
           file=sys.stderr)
     return 0

@@ -1,12 +1,12 @@
-"""Issue 26, item 2 on the H200: the Qwen2.5-7B-shaped CUDA engines (RANDOM weights, see lab/random_hf_model.py)
-made, built stage by stage with forge's own stages, evaluated, packaged, served and benched; peak GPU memory and
+"""Issue 26, item 2 on the H200: the Qwen2.5-7B-shaped CUDA engines (RANDOM weights: the recipes' model.source
+random:Qwen--Qwen2.5-7B-Instruct, made by forge's source stage, pipeline/random_weights.py) made, built stage by stage with forge's own stages, evaluated, packaged, served and benched; peak GPU memory and
 peak host RSS of every step. Run through lab/gpu_ort_run.sh --exec after its receive/setup phases:
 
     lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py build          # weights + both recipes, stage by stage
     lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py bench --run 1  # bench.gpu fp16 + int4 + PyTorch eager
     lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py serve          # forge serve fp16, one /generate answer
     # one forge invocation per call (no per-stage process start-up), per-stage peaks split at forge's stage lines:
-    lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py weights --tokenizer-from DIR
+    lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py weights      # forge build --until source (the random model)
     lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py forge --recipes qwen2.5-7b-cuda-fp16 --until quantize --tag a
     lab/gpu_ort_run.sh --exec python3 lab/gpu_7b.py client --recipes qwen2.5-7b-cuda-fp16  # bench.serve: tritonclient
 
@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(os.environ.get("OUT") or ROOT / "out-gpu")
 HOME = Path(os.environ.get("FORGE_HOME", "/tmp/fh"))
-MODEL = Path("/tmp/forge-random/qwen2.5-7b-l4-seed0")     # the recipes' model.source
+SPEC = "random:Qwen--Qwen2.5-7B-Instruct"                 # the recipes' model.source (seed 0)
 RECIPES = ("qwen2.5-7b-cuda-fp16", "qwen2.5-7b-cuda-int4")
 STAGES = ("source", "export", "quantize", "build", "evaluate", None)   # None: the rest (validate, package)
 PY = sys.executable
@@ -118,16 +118,16 @@ def step(res: dict, name: str, cmd: list[str], timeout: int, log, split_stages: 
     return rc if isinstance(rc, int) else 124
 
 
+def model_dir(layers: int) -> Path:
+    """The random model forge's source stage made (made now if it is not there yet)."""
+    out = subprocess.run([PY, "-c", "from pathlib import Path; from pipeline.source import resolve_source; "
+                          f"print(resolve_source('{SPEC}', Path('{HOME}'), seed=0, layers={layers}).path)"],
+                         cwd=ROOT, capture_output=True, text=True, check=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
 def build(res: dict, log, layers: int, timeout: int) -> None:
-    # the tokenizer: the only one on the GPU machine is the builtin SmolLM2's (converted from its GGUF once)
-    step(res, "smollm2 builtin (tokenizer)", [PY, "-c", "from pathlib import Path; from pipeline.source import "
-         f"resolve_source; print(resolve_source('builtin:smollm2-135m-instruct', Path('{HOME}')).path)"], 120, log)
-    smol = sorted((HOME / "models").glob("smollm2-135m-instruct-*/tokenizer.json"))
-    if not (MODEL / "model.safetensors").exists():
-        step(res, "random weights (cuda)", [PY, str(ROOT / "lab/random_hf_model.py"), "--config",
-             str(ROOT / "pipeline/model_configs/Qwen--Qwen2.5-7B-Instruct.json"), "--layers", str(layers),
-             "--seed", "0", "--device", "cuda", "--out", str(MODEL),
-             *(["--tokenizer-from", str(smol[0].parent)] if smol else [])], 300, log)
+    # the source stage makes the random weights (CPU generator) with the builtin SmolLM2's tokenizer
     deadline = time.time() + timeout
     for r in RECIPES:
         for s in STAGES:
@@ -136,7 +136,8 @@ def build(res: dict, log, layers: int, timeout: int) -> None:
                 res["stopped"] = f"time limit before {r} {s or 'validate+package'}"
                 return
             rc = step(res, f"{r} {s or 'validate+package'}", [PY, "-m", "pipeline.cli", "build", r,
-                      *(["--until", s] if s else []), "--report-dir", str(OUT / "build")], left, log)
+                      "--set", f"model.layers={layers}", *(["--until", s] if s else []),
+                      "--report-dir", str(OUT / "build")], left, log)
             if rc != 0:
                 break
         report(res, r)
@@ -161,8 +162,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recipes", nargs="+", default=list(RECIPES))
     ap.add_argument("--until", default=None, help="forge: the last stage (default: all, package included)")
     ap.add_argument("--tag", default="", help="forge: suffix of the result file's phase name")
-    ap.add_argument("--tokenizer-from", default=None, help="weights: an HF dir with the tokenizer files")
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4, help="--set model.layers of every forge build (28: all)")
     ap.add_argument("--run", default="1")
     ap.add_argument("--timeout", type=int, default=480)
     ap.add_argument("--no-peers", action="store_true", help="bench: our engines only (no PyTorch eager)")
@@ -179,17 +179,18 @@ def main(argv=None) -> int:
                        for n, r in (("fp16", RECIPES[0]), ("int4", RECIPES[1]))
                        if (OUT / "build" / r / "engine").exists()]
             peers = ["--no-peers"] if a.no_peers else []
-            step(res, f"bench.gpu run {a.run}", [PY, "-m", "bench.gpu", *engines, "--hf-dir", str(MODEL), "--no-oga",
+            step(res, f"bench.gpu run {a.run}", [PY, "-m", "bench.gpu", *engines, "--hf-dir", str(model_dir(a.layers)),
+                                                 "--no-oga",
                                                  *peers, "--out", str(OUT / f"bench{a.run}")], a.timeout, log)
         elif a.phase == "weights":
-            step(res, "random weights (cuda)", [PY, str(ROOT / "lab/random_hf_model.py"), "--config",
-                 str(ROOT / "pipeline/model_configs/Qwen--Qwen2.5-7B-Instruct.json"), "--layers", str(a.layers),
-                 "--seed", "0", "--device", "cuda", "--out", str(MODEL),
-                 *(["--tokenizer-from", a.tokenizer_from] if a.tokenizer_from else [])], a.timeout, log)
+            step(res, "random weights (source stage, CPU generator)", [PY, "-m", "pipeline.cli", "build", RECIPES[0],
+                 "--set", f"model.layers={a.layers}", "--until", "source", "--report-dir", str(OUT / "build")],
+                 a.timeout, log)
         elif a.phase == "forge":
             for r in a.recipes:
                 step(res, f"{r} until {a.until or 'package'}", [PY, "-m", "pipeline.cli", "build", r,
-                     *(["--until", a.until] if a.until else []), "--report-dir", str(OUT / "build")],
+                     "--set", f"model.layers={a.layers}", *(["--until", a.until] if a.until else []),
+                     "--report-dir", str(OUT / "build")],
                      a.timeout, log, split_stages=True)
                 report(res, r)
         elif a.phase == "client":

@@ -7,8 +7,9 @@
 #   device: lab/gpu_7b_serve.sh start  DIR       call 1 (carry DIR=c1): unpack, start `bg` in its own session
 #           lab/gpu_7b_serve.sh recv   DIR       calls 2..5: one more part
 #           lab/gpu_7b_serve.sh finish DIR [S]   call 6: the last part, then wait up to S s for `bg`; results to $OUT
+#           lab/gpu_7b_serve.sh wait - [S]       call 7 if needed, at once: wait again, collect again
 #   bg (background, setsid): cp312 wheels -> /tmp/fsite; the pin's CPU onnxruntime wheel (onnxruntime 1.31.1) in
-#   place of the image's 1.30; random weights on the GPU; forge build --until quantize (export/quantize run on the
+#   place of the image's 1.30; random weights (forge's source stage); forge build --until quantize (export/quantize run on the
 #   CPU provider, and both ORT wheels of one pin give the same cache key: pipeline/host/tools.py TOOLS); once the GPU wheel
 #   is whole, `python -m pipeline.gpu_setup install` swaps it in (as make setup does); forge build to package; then
 #   python -m bench.serve (forge serve + tritonclient http,grpc vs the validated greedy tokens).
@@ -52,8 +53,9 @@ start)
   sleep 6; cat $W/bg.log;;
 recv)
   cp -r "$2"/* $C/ && touch $C/"$(basename "$2")".ok; tail -4 $W/bg.log;;
-finish)
-  cp -r "$2"/* $C/ && touch $C/"$(basename "$2")".ok
+finish|wait)
+  # wait: a follow-up call that only waits and collects (the job can outlast one 600 s call)
+  if [ "$1" = finish ]; then cp -r "$2"/* $C/ && touch $C/"$(basename "$2")".ok; fi
   end=$((SECONDS + ${3:-550}))
   collect() {
     cp $W/bg.log $O/*.json "$OUT/" 2>/dev/null
@@ -73,7 +75,10 @@ bg)
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade $C/onnxruntime-1.31.1-*.whl
   mkdir -p $FORGE_HOME/data $W/tok && tar -C $FORGE_HOME/data -xzf $C/data.tgz && tar -C $W/tok -xzf $C/tok.tgz
   t "installed: $(python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())')"
-  $G weights --tokenizer-from $W/tok --timeout 200; t weights
+  # the random model is the recipes' model.source random:... (forge's source stage, CPU generator); its tokenizer is
+  # the builtin SmolLM2's, so the builtin's GGUF must be on the machine (lab/gpu_ort_run.py setup places it from
+  # lab/gpu_carry.sh's bundle; this script's pack does NOT carry it yet: add it before the next run)
+  $G weights --timeout 300; t weights
   $G forge --recipes $R --until quantize --tag a --timeout 500; t "forge a"
   carve() {   # carve the late stream's file $1 once its bytes are here
     read -r n off sz sha < <(grep "^$1 " $C/late.manifest)
@@ -99,5 +104,5 @@ bg)
   timeout 150 lab/gpu_ort_run.sh --exec python3 lab/nbits_kernel_bench.py --device cuda --out $O/nbits.json \
     > $O/nbits.log 2>&1; t "nbits rc $?"; tail -8 $O/nbits.log
   touch $W/bg.done;;
-*) echo "usage: $0 pack DEST | start DIR | recv DIR | finish DIR [S] | bg" >&2; exit 2;;
+*) echo "usage: $0 pack DEST | start DIR | recv DIR | finish DIR [S] | wait - [S] | bg" >&2; exit 2;;
 esac

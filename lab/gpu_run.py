@@ -57,6 +57,7 @@ def stage(results: dict, name: str):
 def smollm2(args, results):
     from pipeline import data
     from pipeline.quant import quantize_model
+    from pipeline.recipe import QuantizeSection
     from pipeline.source import convert_gguf
     from transformers import AutoTokenizer
 
@@ -80,7 +81,8 @@ def smollm2(args, results):
     }
     for name, q in runs.items():
         with stage(results, f"smollm2: {name} on {dev}"):
-            m = quantize_model(hf, q, calib, Path(args.work) / name.replace(" ", "_"), train=train,
+            m = quantize_model(hf, QuantizeSection.model_validate(q), calib, Path(args.work) / name.replace(" ", "_"),
+                               train=train,
                                eval_windows=ev, device=dev)
             results.setdefault("smollm2", {})[name] = m
 
@@ -88,7 +90,8 @@ def smollm2(args, results):
 def qwen7b(args, results):
     from pipeline.modelinfo import ModelInfo
     from pipeline.quant.calibrate import calibrate
-    from pipeline.quant.configs import modelopt_config
+    from pipeline.recipe import QuantizeSection
+    from pipeline.trtllm.quantizers import QUANTIZERS
     from pipeline.trtllm.checkpoint import write_checkpoint
     from pipeline.trtllm.contract import check_contract
     from pipeline.trtllm.reference import ReferenceModel
@@ -112,7 +115,8 @@ def qwen7b(args, results):
         with torch.no_grad():
             ref = model(probe.to(dev)).logits.float().cpu()
     with stage(results, f"qwen7b: int8_sq + int8 KV calibration {args.samples}x{args.seq_len}"):
-        mcfg = modelopt_config(q, info)
+        qs = QuantizeSection.model_validate(q)
+        mcfg = QUANTIZERS[qs.algo].modelopt_config(QUANTIZERS[qs.algo].options_of(qs), qs.kv_cache, info)
         model, _ = calibrate(model, mcfg, calib, batch=args.batch, device=dev, record_activations=False)
         with torch.no_grad():
             sim = model(probe.to(dev)).logits.float().cpu()

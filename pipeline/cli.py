@@ -490,10 +490,12 @@ def doctor(as_json: bool = typer.Option(False, "--json"),
            set_: Optional[List[str]] = SetOpt):
     """Versions, GPUs (NVML), GPU-to-GPU topology and problems with their fixes."""
     from .doctor import render_doctor, run_doctor
+    from .target_registry import get as target
     tp = pp = None
-    if recipe is not None:
-        b = _resolve(recipe, set_).build.tensorrt_llm
-        tp, pp = b.tp, b.pp
+    if recipe is not None:      # the ranks one engine of the recipe runs as: its target says (one, by default)
+        r = _resolve(recipe, set_)
+        ranks = target(r.build.target).ranks
+        tp, pp = ranks(r) if ranks is not None else (1, 1)
     elif set_:
         raise UsageError("--set needs --recipe (it overrides the recipe's keys)")
     rep = run_doctor(tp=tp, pp=pp or 1, recipe=recipe)
@@ -508,7 +510,7 @@ def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e
            set_: Optional[List[str]] = SetOpt):
     """GPU memory plan per TP rank for a recipe and whether it fits."""
     from .gpus import get_gpu
-    from .memory import plan_for_recipe, render_memory
+    from .trtllm.memory import plan_for_recipe, render_memory
     from .runner import Runner
     r = _resolve(recipe, set_)
     if gpu is not None:
@@ -526,7 +528,8 @@ def memory(recipe: str, gpu: Optional[str] = typer.Option(None, "--gpu", help="e
 # ------------------------------------------------------------------ deploy
 @app.command("verify-deploy")
 def verify_deploy(repo: Path):
-    """Check a packaged repository's manifest against this environment (TensorRT/TRT-LLM versions, GPU SM)."""
+    """Check a packaged repository's manifest against this environment (its files, the tool versions its engine is
+    bound to, the hardware its build target says it needs)."""
     from .triton.manifest import MANIFEST, deploy_warnings, verify_deploy as check
     if not (repo / MANIFEST).is_file():
         raise UsageError(f"{repo}: no {MANIFEST} here; give the directory of a packaged repository "

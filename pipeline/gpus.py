@@ -14,13 +14,9 @@ MiB = 1024**2
 GiB = 1024**3
 
 # FP8 tensor cores (FP8 GEMMs and the FP8 KV cache of TensorRT / TensorRT-LLM) start at SM 8.9 (Ada) and 9.0 (Hopper).
+# Which algo needs it is its quantizer's declaration (Quantizer.min_sm); the fake-quantized checkpoint itself can be
+# produced anywhere (also on CPU).
 FP8_MIN_SM = 89
-
-
-def min_sm(algo: str, kv_cache: str = "none") -> int | None:
-    """Lowest compute capability (89 = 8.9) an engine of this quantization setting runs on; None = any GPU.
-    The fake-quantized checkpoint itself can be produced anywhere (also on CPU)."""
-    return FP8_MIN_SM if "fp8" in (algo, kv_cache) else None
 
 
 @dataclass(frozen=True)

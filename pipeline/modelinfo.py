@@ -77,6 +77,14 @@ class ModelInfo:
         emb = v * h * (1 if self.tie_word_embeddings else 2)
         return l * per_layer + emb + h
 
+    def linear_input_widths(self) -> dict[str, int]:
+        """Input width of each kind of quantized linear in a decoder layer (what a quantizer's block must divide)."""
+        return {
+            "q/k/v_proj, gate/up_proj": self.hidden_size,
+            "o_proj": self.num_heads * self.head_dim,
+            "down_proj": self.intermediate_size,
+        }
+
     def to_dict(self) -> dict:
         return asdict(self)
 

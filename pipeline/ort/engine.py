@@ -24,12 +24,18 @@ preallocated numpy buffers and reads the logits from a preallocated [B, 1, V] Or
 the KV buffers live (an OrtValue device: ``cpu``, or ``cuda`` with ``providers=["CUDAExecutionProvider"]``):
 the GPU path keeps the cache on the GPU with the same code.
 
-``cuda_graph=True`` (CUDA provider, shared layout): decode steps are captured once per batch size and cache
-capacity as a CUDA graph (ONNX Runtime's ``enable_cuda_graph``; run option ``gpu_graph_id`` picks the graph, -1
-runs the prefill without one) and replayed. A replay needs every bound buffer at a fixed address and shape, so the
-decode step binds ids [B, 1], the attention mask [B, capacity] (ones for each row's len + 1 positions: the op reads
-only the row sums as ``seqlens_k``; ``total_sequence_length`` is the capacity, which the shared buffer has) and
-the logits [B, 1, V] as device OrtValues allocated once and refreshed with ``update_inplace``.
+``SlotKVCache`` (shared layout, any device): the continuous batcher's cache on the GPU. One [slots, kv, capacity,
+hd] buffer per layer and K/V; a range of slots is bound in place by pointer (``bind_input``/``bind_output`` at the
+buffer's address plus whole rows), so a request's prefill writes its K/V into its slot and decode steps run over
+the slots taken; rows never move (only when the slots grow, device to device).
+
+``cuda_graph=True`` (CUDA provider, shared layout): decode steps are captured once per KV cache as a CUDA graph
+(ONNX Runtime's ``enable_cuda_graph``; run option ``gpu_graph_id`` picks the graph, -1 runs the prefill without
+one) and replayed. A replay needs every bound buffer at a fixed address and shape, so the decode step binds ids
+[B, 1], the attention mask [B, capacity] (ones for each row's len + 1 positions: the op reads only the row sums as
+``seqlens_k``; ``total_sequence_length`` is the capacity, which the shared buffer has) and the logits [B, 1, V] as
+device OrtValues allocated once per cache and refreshed with ``update_inplace``. Each cache (each slot range) has
+its own graph: a replay reuses the K/V addresses it captured.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ try:  # progress bars inside forge; a no-op when this file runs on its own (Trit
 except Exception:  # pragma: no cover - exercised only outside the package
     _progress_bar = None
 
-__all__ = ["OrtEngine", "KVCache", "session_options", "inference_session", "sample_next", "LAYOUTS"]
+__all__ = ["OrtEngine", "KVCache", "SlotKVCache", "session_options", "inference_session", "sample_next", "LAYOUTS"]
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
@@ -138,7 +144,35 @@ def _per_row(value: Any, batch: int, name: str) -> list:
     return [value] * batch
 
 
-class KVCache:
+class _BoundKV:
+    """A KV cache the engine can bind: ``bind_kv`` puts each layer's K/V buffer as both past input and present
+    output of an IO binding (GroupQueryAttention then writes each step's K/V in place: it shares the buffer when
+    the two pointers are equal, ``past_present_share_buffer = (data.past_key == data.present_key)``,
+    onnxruntime/contrib_ops/cuda/bert/group_query_attention.cc, microsoft/onnxruntime@001d12d2)."""
+
+    layout = "shared"
+    batch = capacity = width = 0
+    lengths: np.ndarray
+    _io = None
+    static: dict | None = None    # fixed-shape decode buffers and binding of this cache (OrtEngine.decode_static)
+
+    def bind_kv(self, io: ort.IOBinding, engine: "OrtEngine") -> None:
+        raise NotImplementedError
+
+    def binding(self, engine: "OrtEngine") -> ort.IOBinding:
+        """The IO binding of this cache (shared layout), made once: past and present of each layer bound to the
+        same buffer; ids, mask and logits are rebound per call."""
+        if self._io is None:
+            self._io = engine.session.io_binding()
+            self.bind_kv(self._io, engine)
+        return self._io
+
+    def reset(self) -> None:
+        self.lengths[:] = 0
+        self.width = 0
+
+
+class KVCache(_BoundKV):
     """The KV state of one batch: one OrtValue per layer and K/V, on ``device``, plus each row's length.
 
     ``shared`` layout: [B, kv, capacity, hd] buffers, allocated once and written in place by the graph.
@@ -151,28 +185,75 @@ class KVCache:
         self.width = 0                              # positions used (= attention-mask width)
         shape = [batch, engine.num_kv_heads, capacity if self.layout == "shared" else 0, engine.head_dim]
         # host: numpy buffers the OrtValues alias (CPU, shared layout), so rows can be copied between caches
-        # (the continuous batcher moves a request's K/V when requests join or leave a batch)
+        # (the continuous batcher's host backend moves a request's K/V when requests join or leave a batch)
         self.arrays = [np.zeros(shape, engine.kv_dtype) for _ in engine.past_names] if host else None
         self.values = ([ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays] if host else
                        [ort.OrtValue.ortvalue_from_shape_and_type(shape, engine.kv_dtype, engine.device,
                                                                    engine.device_id)
                         for _ in engine.past_names])
         self.mask = np.zeros((batch, 0), np.int64) if self.layout == "concat" else None
-        self._io = None
 
-    def binding(self, engine: "OrtEngine") -> ort.IOBinding:
-        """The IO binding of this cache (shared layout), made once: past and present of each layer bound to the
-        same buffer, which GroupQueryAttention updates in place."""
-        if self._io is None:
-            self._io = engine.session.io_binding()
-            for name, pname, v in zip(engine.past_names, engine.present_names, self.values):
-                self._io.bind_ortvalue_input(name, v)
-                self._io.bind_ortvalue_output(pname, v)
-        return self._io
+    def bind_kv(self, io: ort.IOBinding, engine: "OrtEngine") -> None:
+        for name, pname, v in zip(engine.past_names, engine.present_names, self.values):
+            io.bind_ortvalue_input(name, v)
+            io.bind_ortvalue_output(pname, v)
 
-    def reset(self) -> None:
-        self.lengths[:] = 0
+
+class SlotKVCache:
+    """Per-slot K/V for in-flight batching, on the engine's device (shared layout): one [slots, kv, capacity, hd]
+    buffer per layer and K/V, allocated once; slot s is row s of every buffer and holds one request from its
+    prefill to its last token. Rows of a C-contiguous tensor are one contiguous byte range, so ``rows(a, b)`` is a
+    cache of slots [a, b) bound in place -- ``IOBinding.bind_input``/``bind_output`` with the buffer's address
+    plus ``a`` rows (onnxruntime's documented way to bind device memory it did not allocate). A newcomer's prefill
+    writes its K/V straight into its free slot and a decode step runs over slots [0, k): K/V bytes never leave the
+    device and never move on it, except when ``grown`` copies them, device to device, into larger buffers."""
+
+    def __init__(self, engine: "OrtEngine", slots: int, capacity: int):
+        cap = -(-int(capacity) // CAPACITY_STEP) * CAPACITY_STEP
+        if engine.max_seq_len:
+            cap = min(cap, engine.max_seq_len)
+        self.slots, self.capacity = int(slots), cap
+        self.shape = [self.slots, engine.num_kv_heads, cap, engine.head_dim]
+        self.values = [ort.OrtValue.ortvalue_from_shape_and_type(self.shape, engine.kv_dtype, engine.device,
+                                                                 engine.device_id) for _ in engine.past_names]
+        self.row_bytes = engine.num_kv_heads * cap * engine.head_dim * np.dtype(engine.kv_dtype).itemsize
+        self.lengths = np.zeros(self.slots, np.int64)   # tokens stored per slot
+        self._rows: dict[tuple[int, int], _SlotRows] = {}
+
+    def rows(self, a: int, b: int) -> "_SlotRows":
+        """Slots [a, b) as a cache the engine runs on (made once per range: its IO binding is reused)."""
+        if not 0 <= a < b <= self.slots:
+            raise ValueError(f"slot range [{a}, {b}) outside [0, {self.slots})")
+        v = self._rows.get((a, b))
+        if v is None:
+            v = self._rows[(a, b)] = _SlotRows(self, a, b)
+        return v
+
+    def grown(self, engine: "OrtEngine", capacity: int) -> "SlotKVCache":
+        """A cache of ``capacity`` positions holding every slot's K/V and length (copied on the device)."""
+        new = SlotKVCache(engine, self.slots, capacity)
+        if new.capacity > self.capacity:
+            engine._copy_kv(self.values, new.values)
+        new.lengths[:] = self.lengths
+        return new
+
+
+class _SlotRows(_BoundKV):
+    """Slots [a, b) of a :class:`SlotKVCache`: ``lengths`` is a view of the parent's, so the engine's updates land
+    there; ``width`` is the attention-mask width the next call extends (0: a fresh prefill)."""
+
+    def __init__(self, parent: SlotKVCache, a: int, b: int):
+        self.parent, self.a = parent, a
+        self.batch, self.capacity = b - a, parent.capacity
+        self.lengths = parent.lengths[a:b]
         self.width = 0
+
+    def bind_kv(self, io: ort.IOBinding, engine: "OrtEngine") -> None:
+        shape = [self.batch] + self.parent.shape[1:]
+        for name, pname, v in zip(engine.past_names, engine.present_names, self.parent.values):
+            ptr = v.data_ptr() + self.a * self.parent.row_bytes
+            io.bind_input(name, engine.device, engine.device_id, engine.kv_dtype, shape, ptr)
+            io.bind_output(pname, engine.device, engine.device_id, engine.kv_dtype, shape, ptr)
 
 
 class OrtEngine:
@@ -180,7 +261,10 @@ class OrtEngine:
 
     def __init__(self, model_dir: str | os.PathLike, threads: int = 0, *, providers: Sequence[str] | None = None,
                  device: str = "cpu", model_file: str | None = None, level: str = "all", cuda_graph: bool = False,
-                 static_decode: bool | None = None, device_id: int = 0):
+                 static_decode: bool | None = None, device_id: int = 0, cpu_arena: bool = True):
+        """``cpu_arena`` False: host buffers are allocated and freed per run instead of kept in ONNX Runtime's arena,
+        whose memory outlives the session (measured: 3.1 GB kept after a one-shot run of a 2.6 GB fp16 graph on the
+        CPU provider). For engines that run once (checks) and must give their memory back."""
         self.model_dir = Path(model_dir)
         meta_f = self.model_dir / "forge_ort.json"
         self.meta: dict[str, Any] = json.loads(meta_f.read_text()) if meta_f.exists() else {}
@@ -189,6 +273,7 @@ class OrtEngine:
             raise FileNotFoundError(f"no ONNX model at {self.model_path}")
         self.threads, self.device, self.device_id = threads, device, int(device_id)
         self.options = session_options(threads, level)
+        self.options.enable_cpu_mem_arena = bool(cpu_arena)
         providers = list(providers or ["CPUExecutionProvider"])
         self.cuda_graph = bool(cuda_graph)
         if self.cuda_graph:
@@ -236,13 +321,14 @@ class OrtEngine:
                                                   (self.meta.get("quantization") or {}).get("algo", "none") == "none"))
         self._tokenizer = None
         self._gather = None
+        self._pad = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
         # fixed-shape decode (what a CUDA graph replays); on by itself with cuda_graph, testable on the CPU alone
         self.static_decode = self.cuda_graph if static_decode is None else bool(static_decode)
         if self.static_decode and self.layout != "shared":
             raise ValueError("fixed-shape decode (cuda_graph) needs the shared-KV (GroupQueryAttention) graph")
-        self._static: dict[tuple[int, int], dict] = {}
+        self._graphs = 0   # CUDA graphs captured (each decode_static cache has its own gpu_graph_id)
         self._prefill_opts = ort.RunOptions()
         if self.cuda_graph:
             self._prefill_opts.add_run_config_entry("gpu_graph_id", "-1")   # prefill shapes vary: no graph
@@ -358,32 +444,41 @@ class OrtEngine:
         self._gather.run_with_iobinding(io)
         return io.get_outputs()[0].numpy()
 
-    def decode_static(self, nxt: np.ndarray, cache: KVCache) -> np.ndarray:
+    def decode(self, nxt: np.ndarray, cache: _BoundKV) -> np.ndarray:
+        """One decode step for every row of ``cache``: each row's last token in, its next-token logits [B, V] out.
+        Only the token ids, the attention mask and the logits rows cross between host and device; the K/V stay
+        bound where they are. Fixed-shape (``decode_static``) when the engine decodes that way."""
+        if self.static_decode:
+            return self.decode_static(nxt, cache)
+        B = cache.batch
+        step_ids, mask_buf, _pos, logits_v = self._step_buffers(B, cache.capacity)
+        step_ids[:, 0] = nxt
+        return self.forward(step_ids, np.ones(B, np.int64), cache, logits_out=logits_v, mask_buf=mask_buf)[:, -1]
+
+    def decode_static(self, nxt: np.ndarray, cache: _BoundKV) -> np.ndarray:
         """One decode step for every row through fixed-shape bound buffers (see the module doc): returns the
-        last-position logits [B, V]. With cuda_graph the first call per (batch, capacity) captures, later calls
-        replay."""
+        last-position logits [B, V]. With cuda_graph the first call per cache captures, later calls replay."""
         B, cap = cache.batch, cache.capacity
-        st = self._static.get((B, cap))
+        st = cache.static
         if st is None:
+            # made once per cache: KV, ids, mask and logits bound at addresses that never change, which a CUDA
+            # graph replay needs (a graph per cache: two caches of one shape have different K/V addresses)
             dev, i = self.device, self.device_id
             st = {"ids": ort.OrtValue.ortvalue_from_shape_and_type([B, 1], np.int64, dev, i),
                   "mask": ort.OrtValue.ortvalue_from_shape_and_type([B, cap], np.int64, dev, i),
                   "logits": ort.OrtValue.ortvalue_from_shape_and_type([B, 1, self.vocab_size], self.logits_dtype,
                                                                       dev, i),
-                  "mask_np": np.zeros((B, cap), np.int64), "opts": ort.RunOptions(), "io": {}}
+                  "mask_np": np.zeros((B, cap), np.int64), "opts": ort.RunOptions()}
             if self.cuda_graph:
-                st["opts"].add_run_config_entry("gpu_graph_id", str(len(self._static) + 1))
-            self._static[(B, cap)] = st
-        io = st["io"].get(id(cache))
-        if io is None:   # bound once per cache: KV, ids, mask and logits never move
-            io = self.session.io_binding()
-            for name, pname, v in zip(self.past_names, self.present_names, cache.values):
-                io.bind_ortvalue_input(name, v)
-                io.bind_ortvalue_output(pname, v)
+                self._graphs += 1
+                st["opts"].add_run_config_entry("gpu_graph_id", str(self._graphs))
+            io = st["io"] = self.session.io_binding()
+            cache.bind_kv(io, self)
             io.bind_ortvalue_input("input_ids", st["ids"])
             io.bind_ortvalue_input("attention_mask", st["mask"])
             io.bind_ortvalue_output("logits", st["logits"])
-            st["io"] = {id(cache): io}
+            cache.static = st
+        io = st["io"]
         new_len = cache.lengths + 1
         if int(new_len.max()) > cap:
             raise ValueError(f"KV cache of {cap} positions is full")
@@ -398,6 +493,40 @@ class OrtEngine:
         cache.lengths[:] = new_len
         cache.width = cap
         return st["logits"].numpy()[:, -1]
+
+    def _copy_kv(self, src: Sequence[ort.OrtValue], dst: Sequence[ort.OrtValue]) -> None:
+        """Copy each [S, kv, cap, hd] buffer of ``src`` into the first ``cap`` positions of the larger ``dst``
+        buffer, where they live: a session of one ``Pad`` per buffer on this engine's providers (what
+        ``SlotKVCache.grown`` needs when requests outgrow the slots). CUDA has Pad for fp16 and fp32 with
+        ``pads`` read on the host (onnxruntime/core/providers/cuda/tensor/pad.cc, microsoft/onnxruntime@0606f7d6).
+        Needs ``onnx`` to write that graph; without it the buffers go through the host (only when the cache
+        grows, never per step)."""
+        pad = np.zeros(8, np.int64)
+        pad[6] = int(dst[0].shape()[2]) - int(src[0].shape()[2])      # end of the positions axis
+        if self._pad is None:
+            try:
+                from onnx import TensorProto, helper
+            except ImportError:   # pragma: no cover - a Triton environment without onnx
+                for s, d in zip(src, dst):
+                    d.update_inplace(np.pad(s.numpy(), [(0, int(p)) for p in pad[4:]]))
+                return
+            elem = TensorProto.FLOAT16 if self.kv_dtype == np.float16 else TensorProto.FLOAT
+            n = len(self.past_names)
+            dims = ["S", "H", "P", "D"]
+            graph = helper.make_graph(
+                [helper.make_node("Pad", [f"kv{i}", "pads"], [f"out{i}"], mode="constant") for i in range(n)],
+                "forge_grow_kv",
+                [helper.make_tensor_value_info(f"kv{i}", elem, dims) for i in range(n)]
+                + [helper.make_tensor_value_info("pads", TensorProto.INT64, [8])],
+                [helper.make_tensor_value_info(f"out{i}", elem, ["S", "H", "Q", "D"]) for i in range(n)])
+            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+            self._pad = inference_session(model.SerializeToString(), None, self._providers)
+        io = self._pad.io_binding()
+        for i, (s, d) in enumerate(zip(src, dst)):
+            io.bind_ortvalue_input(f"kv{i}", s)
+            io.bind_ortvalue_output(f"out{i}", d)
+        io.bind_cpu_input("pads", pad)
+        self._pad.run_with_iobinding(io)
 
     # ---- scoring ---------------------------------------------------------------------------------------------
     def logits(self, input_ids: Any, attention_mask: Any | None = None, *, batch_size: int = 0,
@@ -470,10 +599,8 @@ class OrtEngine:
         for r, p in enumerate(prompts):
             ids[r, :len(p)] = p
         cache = self.cache(B, int(lens.max()) + N if self.layout == "concat" else L + N)
-        step_ids, mask_buf, _pos, logits_v = self._step_buffers(B, cache.capacity)
         out: list[list[int]] = [[] for _ in range(B)]
         done = np.zeros(B, bool)
-        ones = np.ones(B, np.int64)
 
         def pick(last: np.ndarray) -> np.ndarray:
             if all_greedy:
@@ -497,11 +624,7 @@ class OrtEngine:
                 advance(1)
                 if done.all():
                     break
-                if self.static_decode:
-                    last = self.decode_static(nxt, cache)
-                    continue
-                step_ids[:, 0] = nxt
-                last = self.forward(step_ids, ones, cache, logits_out=logits_v, mask_buf=mask_buf)[:, -1]
+                last = self.decode(nxt, cache)
         return out
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *, greedy: bool = True,

@@ -34,7 +34,8 @@ import numpy as np
 from pipeline.errors import ForgeError, StageFailed
 from pipeline.progress import progress_bar
 
-__all__ = ["export_onnx", "check_parity", "MODEL_FILE", "META_FILE", "COPY_FILES", "copy_side_files"]
+__all__ = ["export_onnx", "check_parity", "check_gqa_model", "kv_dims", "MODEL_FILE", "META_FILE", "COPY_FILES",
+           "copy_side_files"]
 
 MODEL_FILE = "model.onnx"
 META_FILE = "forge_ort.json"
@@ -54,7 +55,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
     return copied
 
 
-def _kv_dims(cfg) -> tuple[int, int, int]:
+def kv_dims(cfg) -> tuple[int, int, int]:
     layers = cfg.num_hidden_layers
     kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -138,7 +139,7 @@ def _gqa_op():
     return _GQA_OP
 
 
-def _check_gqa_model(model) -> None:
+def check_gqa_model(model) -> None:
     """The GQA export rebuilds attention from the model's q/k/v/o projections with full rotary (non-interleaved,
     HF's rotate_half): refuse layouts it would get wrong instead of exporting a silently different model."""
     cfg = model.config
@@ -170,9 +171,9 @@ def _gqa_wrapper(model, max_seq_len: int):
 
     import torch
 
-    _check_gqa_model(model)
+    check_gqa_model(model)
     cfg = model.config
-    layers, kv, hd = _kv_dims(cfg)
+    layers, kv, hd = kv_dims(cfg)
     heads = cfg.num_attention_heads
     op, _ = _gqa_op()
 
@@ -236,31 +237,44 @@ def check_parity(model, onnx_dir: Path, *, atol: float, rtol: float, threads: in
                  batch: int = 2, prompt_len: int = 12) -> dict:
     """ORT (through the runtime, pipeline.ort.engine) vs torch on fixed random tokens: a batched prefill whose
     row 0 is 3 tokens shorter (right padding), then one decode step per row on the runtime's KV cache. Returns
-    max errors and ``ok``."""
+    max errors and ``ok``.
+
+    The engine runs first and is released before the reference runs. ``model`` is the torch model, or a function
+    that loads it: then the two never hold their weights at the same time (the streaming fp16 export's memory
+    bound, pipeline/ort/stream_export.py)."""
+    import gc
+
     import torch
 
+    from pipeline.host.rss import trim_heap
     from pipeline.ort.engine import OrtEngine
 
-    eng = OrtEngine(onnx_dir, threads=threads)
-    vocab = model.config.vocab_size
+    eng = OrtEngine(onnx_dir, threads=threads, cpu_arena=False)   # runs once: its memory goes back before torch's
+    vocab, layout = int(eng.vocab_size), eng.layout
     rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab, size=(batch, prompt_len), dtype=np.int64)
     lens = np.full(batch, prompt_len, np.int64)
     lens[0] -= 3  # a shorter row: exercises padding and per-row lengths
     cache = eng.cache(batch, prompt_len + 1)
-    got = eng.forward(ids, lens, cache)
+    got = np.array(eng.forward(ids, lens, cache))
     nxt = rng.integers(0, vocab, size=(batch, 1), dtype=np.int64)
-    got2 = eng.forward(nxt, np.ones(batch, np.int64), cache)
+    got2 = np.array(eng.forward(nxt, np.ones(batch, np.int64), cache))
+    del eng, cache
+    gc.collect()
+    trim_heap()
+    if callable(model) and not isinstance(model, torch.nn.Module):
+        model = model()
     pre = {"max_abs": 0.0, "ok": True}
     dec = {"max_abs": 0.0, "ok": True}
+    dev = next(model.parameters()).device
     for r in range(batch):
         row = np.concatenate([ids[r, :lens[r]], nxt[r]])[None]
         with torch.inference_mode():
-            ref = model(input_ids=torch.from_numpy(row)).logits[0].float().numpy()
+            ref = model(input_ids=torch.from_numpy(row).to(dev)).logits[0].float().cpu().numpy()
         for acc, e in ((pre, _err(ref[:-1], got[r, :lens[r]], atol, rtol)), (dec, _err(ref[-1:], got2[r], atol, rtol))):
             acc["max_abs"], acc["ok"] = max(acc["max_abs"], e["max_abs"]), acc["ok"] and e["ok"]
     return {"prefill_max_abs": pre["max_abs"], "decode_max_abs": dec["max_abs"], "ok": pre["ok"] and dec["ok"],
-            "atol": atol, "rtol": rtol, "kv_layout": eng.layout}
+            "atol": atol, "rtol": rtol, "kv_layout": layout}
 
 
 def export_onnx(hf_dir: str | Path, out_dir: str | Path, *, opset: int = 18, parity: dict | None = None,
@@ -292,7 +306,7 @@ def export_onnx(hf_dir: str | Path, out_dir: str | Path, *, opset: int = 18, par
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     cfg = model.config
-    layers, kv, hd = _kv_dims(cfg)
+    layers, kv, hd = kv_dims(cfg)
     names_in, names_out = io_names(layers, attention)
 
     # Example inputs: batch 2 (so batch is not specialised to 1), seq 5, past 3 (past 0 also works at run time).

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.errors import ForgeError, StageFailed
+from pipeline.host.rss import trim_heap
 
 from .engine import OrtEngine, inference_session, session_options
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
@@ -78,8 +79,10 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     # quantized or fp16 (fused fp16 kernels accumulate in another order): held to the direction check
     quantized = (meta.get("quantization") or {}).get("algo", "none") != "none" or meta.get("dtype") == "fp16"
     ids = check_ids if check_ids is not None else np.random.default_rng(0).integers(0, vocab, size=(2, 16))
-    run = {"providers": providers, "device": "cuda" if provider == "cuda" else "cpu"}
+    # one run each, one engine at a time, no arena kept (pipeline.ort.engine: cpu_arena)
+    run = {"providers": providers, "device": "cuda" if provider == "cuda" else "cpu", "cpu_arena": False}
     a = OrtEngine(in_dir, threads=threads, level="disable", **run).logits(ids)
+    trim_heap()
     b = OrtEngine(out_dir, threads=threads, level="disable", **run).logits(ids)
     diff = float(np.abs(a - b).max())
     af, bf = a.reshape(-1, a.shape[-1]).astype(np.float64), b.reshape(-1, b.shape[-1]).astype(np.float64)

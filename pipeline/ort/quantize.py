@@ -39,6 +39,7 @@ import numpy as np
 
 from pipeline.errors import ForgeError
 from pipeline.progress import progress_bar
+from pipeline.quantizer import Quantizer
 from pipeline.recipe_options import NoOptions, OrtInt4Options, OrtInt8Options
 
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
@@ -46,12 +47,20 @@ from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
 # onnxruntime's quantizers log one INFO line per graph node (thousands); what ran is in our metrics instead
 logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
 
-__all__ = ["quantize_onnx", "ALGOS", "activation_stats", "isa_accuracy_risk", "dynamic_int8_weights", "int8_dynamic",
+__all__ = ["quantize_onnx", "weight_grid", "ALGOS", "activation_stats", "isa_accuracy_risk", "dynamic_int8_weights", "int8_dynamic",
            "INT8_DEFAULTS", "batch_invariant"]
 
-# the algos this quantizer implements -> the model of their options (pipeline/recipe_options.py: each option's
-# default and the measurements behind it); the onnxruntime target offers exactly these (pipeline/targets)
-OPTIONS = {"none": NoOptions, "int8": OrtInt8Options, "int4_wo": OrtInt4Options}
+# quantize.algo -> its quantizer (pipeline/quantizer.py; the options models with each option's default and the
+# measurements behind it: pipeline/recipe_options.py): the onnxruntime target's one algo table. The block size is
+# written quantize.block_size, as for tensorrt_llm (issue 25); the options model's block_size is what runs.
+QUANTIZERS = {
+    "none": Quantizer(NoOptions, summary="the FP32 graph, unchanged"),
+    "int8": Quantizer(OrtInt8Options, {"block_size": "block_size"},
+                      summary="8-bit weights: dynamic MatMulInteger, MatMulNBits blockwise, or both (mixed)"),
+    "int4_wo": Quantizer(OrtInt4Options, {"block_size": "block_size"},
+                         summary="weight-only INT4 through MatMulNBits (HQQ or round to nearest)"),
+}
+OPTIONS = {a: q.options for a, q in QUANTIZERS.items()}       # the options model of each algo
 ALGOS = tuple(OPTIONS)
 INT8 = OrtInt8Options()
 INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only", "weight_type",
@@ -269,14 +278,20 @@ def _matches(node, patterns: list[str]) -> bool:
 # ---------------------------------------------------------------------------------------------- calibration
 
 def activation_stats(model_dir: Path, windows, *, tensors: list[str], threads: int = 2,
-                     batch_size: int = 1) -> dict[str, dict]:
+                     batch_size: int = 1, moments: str | None = None) -> dict[str, dict]:
     """Per-channel |max| and min/max of the named activation tensors of the FP32 graph over ``windows``
-    ([N, T] token ids), via extra ReduceMax/ReduceMin outputs added to a temporary copy of the graph."""
+    ([N, T] token ids), via extra ReduceMax/ReduceMin outputs added to a temporary copy of the graph.
+
+    ``moments``: also the first and second moments over all tokens: ``channel_mean`` (E[x_i]) and ``"diag"``
+    (``channel_meansq``: E[x_i^2] per channel) or ``"full"`` (``second_moment``: E[x x^T], [C, C], and its diagonal
+    as ``channel_meansq``)."""
     import onnx
     from onnx import TensorProto, helper
 
     from .engine import OrtEngine
 
+    if moments not in (None, "diag", "full"):
+        raise ValueError(f"moments={moments!r}: use None, 'diag' or 'full'")
     model = _load(model_dir)
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     new_reduce = opset >= 18  # ReduceMax takes axes as an input from opset 18
@@ -291,31 +306,64 @@ def activation_stats(model_dir: Path, windows, *, tensors: list[str], threads: i
             helper.make_node("ReduceMax", [a, "_fs_axes01"], [amax], keepdims=0) if new_reduce
             else helper.make_node("ReduceMax", [a], [amax], keepdims=0, axes=[0, 1]),
         ])
-        extra += [(t, mx, mn, amax)]
+        mom = tot = None
+        if moments:
+            tot = f"_fs_sum{k}"
+            model.graph.node.append(
+                helper.make_node("ReduceSum", [t, "_fs_axes01"], [tot], keepdims=0) if new_reduce
+                else helper.make_node("ReduceSum", [t], [tot], keepdims=0, axes=[0, 1]))
+        if moments == "diag":
+            mom = f"_fs_sq{k}"
+            model.graph.node.append(
+                helper.make_node("ReduceSumSquare", [t, "_fs_axes01"], [mom], keepdims=0) if new_reduce
+                else helper.make_node("ReduceSumSquare", [t], [mom], keepdims=0, axes=[0, 1]))
+        elif moments == "full":    # X^T X over the tokens of the batch: [C, C]
+            x2, xt, mom = f"_fs_2d{k}", f"_fs_t{k}", f"_fs_xtx{k}"
+            model.graph.node.extend([helper.make_node("Flatten", [t], [x2], axis=-1),   # [B * T, C]
+                                     helper.make_node("Transpose", [x2], [xt], perm=[1, 0]),
+                                     helper.make_node("MatMul", [xt, x2], [mom])])
+        extra += [(t, mx, mn, amax, mom, tot)]
     if new_reduce:
         model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0, 1], np.int64), "_fs_axes01"))
-    for _, mx, mn, amax in extra:
+    for _, mx, mn, amax, mom, tot in extra:
         model.graph.output.extend([helper.make_tensor_value_info(mx, TensorProto.FLOAT, []),
                                    helper.make_tensor_value_info(mn, TensorProto.FLOAT, []),
                                    helper.make_tensor_value_info(amax, TensorProto.FLOAT, None)])
+        if mom:
+            model.graph.output.extend([helper.make_tensor_value_info(mom, TensorProto.FLOAT, None),
+                                       helper.make_tensor_value_info(tot, TensorProto.FLOAT, None)])
     with tempfile.TemporaryDirectory(prefix="forge-calib-") as td:
         _save(model, Path(td))
         shutil.copy2(Path(model_dir) / META_FILE, Path(td) / META_FILE)
         eng = OrtEngine(td, threads=threads)
-        names = [x for _, mx, mn, amax in extra for x in (mx, mn, amax)]
+        per = 5 if moments else 3
+        names = [x for _, mx, mn, amax, mom, tot in extra for x in (mx, mn, amax, mom, tot)[:per]]
         stats: dict[str, dict] = {t: {"max": -np.inf, "min": np.inf, "channel_absmax": None} for t in tensors}
+        sums: dict[str, np.ndarray] = {}
+        firsts: dict[str, np.ndarray] = {}
         ids = np.asarray(windows.numpy() if hasattr(windows, "numpy") else windows, dtype=np.int64)
         with progress_bar("calibration (activation ranges)", ids.shape[0]) as advance:
             for s in range(0, ids.shape[0], batch_size):
                 w = ids[s:s + batch_size]
                 outs = eng.session.run(names, eng.prefill_feed(w))   # the graph's own layout (gqa or standard)
                 for k, (t, *_rest) in enumerate(extra):
-                    mx, mn, ch = outs[3 * k: 3 * k + 3]
+                    mx, mn, ch = outs[per * k: per * k + 3]
                     st = stats[t]
                     st["max"] = max(st["max"], float(mx))
                     st["min"] = min(st["min"], float(mn))
                     st["channel_absmax"] = ch if st["channel_absmax"] is None else np.maximum(st["channel_absmax"], ch)
+                    if moments:   # summed in float64: thousands of tokens of values up to ~1e3
+                        sums[t] = sums.get(t, 0) + outs[per * k + 3].astype(np.float64)
+                        firsts[t] = firsts.get(t, 0) + outs[per * k + 4].astype(np.float64)
                 advance(w.shape[0])
+    for t, tot in sums.items():   # calibration windows have no padding: every position is a token
+        mean = tot / ids.size
+        stats[t]["channel_mean"] = firsts[t] / ids.size
+        if moments == "full":
+            stats[t]["second_moment"] = mean
+            stats[t]["channel_meansq"] = np.diag(mean).copy()
+        else:
+            stats[t]["channel_meansq"] = mean
     return stats
 
 
@@ -398,15 +446,122 @@ def _nbits(model, out_dir: Path, excluded: list[str], *, bits: int, block: int, 
             "activations": acts, "accuracy_level": acc}
 
 
-def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_head: list[str]) -> dict:
+# int4_wo methods that fit their values to calibration data -> the activation moments they read
+INT4_CALIBRATED = {"fit": "diag", "gptq": "full"}
+# int4_wo methods written by _int4_fitted (offsets reads the weights only: weighting its offset rows by E[x^2]
+# measured no better on SmolLM2, +0.17 % against +0.10 % perplexity)
+INT4_OWN = (*INT4_CALIBRATED, "offsets")
+
+
+def _int4_fitted(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], act: dict[str, dict] | None) -> dict:
+    """4-bit MatMulNBits with integer zero points fitted by ``options.method`` (pipeline/ort/int4_fit.py).
+
+    ORT's own quantizer writes the nodes (MatMulNBits, bits 4, asymmetric: uint8 zero points, the block size and
+    accuracy level), then each node's B / scales / zero_points are replaced by the fitted values in the same layout.
+    ``offsets``: each quantized MatMul's input becomes [x, blocksum(x)] (:func:`int4_fit.block_sum_input`, built once
+    per input tensor) and its weight gains the offset rows (:func:`int4_fit.offsets_int4`)."""
+    from onnx import helper, numpy_helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from .int4_fit import (block_sum_input, effective_weight, fit_int4, gptq_int4, offsets_int4, pack_int4, rtn_int4,
+                           weighted_error)
+
+    block, inits = o.block_size, _inits(model)
+    todo = {n.output[0]: (n.name, n.input[0], numpy_helper.to_array(inits[w]).astype(np.float32))
+            for n, w in weight_matmuls(model) if n.name not in excluded}
+    q = MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=False, accuracy_level=o.accuracy_level,
+                             nodes_to_exclude=excluded, op_types_to_quantize=("MatMul",))
+    q.process()
+    m = q.model.model
+    inits = _inits(m)
+    ratios, augmented = {}, {}
+    nodes = [n for n in m.graph.node if n.op_type == "MatMulNBits" and n.output[0] in todo]
+    with progress_bar(f"int4 {o.method} (integer zero points)", len(nodes)) as advance:
+        for node in nodes:
+            name, x, w = todo.pop(node.output[0])
+            if len(node.input) != 4:
+                raise ForgeError(f"quantize: ORT's MatMulNBits for {name} has inputs {list(node.input)}, expected "
+                                 "A, B, scales, zero_points (asymmetric)")
+            hh = mu = k_aug = None
+            if o.method == "offsets":
+                qv, s, z, k_aug = offsets_int4(w, None, block)
+            else:
+                st = (act or {}).get(x) or {}
+                if st.get("channel_meansq") is None:
+                    raise ForgeError(f"quantize: no calibration statistics for {name}'s input {x}")
+                mu = np.asarray(st["channel_mean"], np.float64)
+                # with bias correction the mean of the output error goes into a bias, so the fit minimises the
+                # rest: the error under the inputs' covariance instead of their second moment
+                if o.method == "gptq":
+                    hh = st["second_moment"] - (np.outer(mu, mu) if o.bias_correction else 0)
+                    qv, s, z = gptq_int4(w, hh, block)
+                else:
+                    hh = np.maximum(st["channel_meansq"] - (mu * mu if o.bias_correction else 0), 0)
+                    qv, s, z = fit_int4(w, hh, block)
+            packed = pack_int4(qv, s, z, block)
+            if o.method == "offsets":
+                if x not in augmented:         # [x, blocksum(x)], placed before the first reader of x
+                    augmented[x] = f"{x}_blocksums"
+                    extra_nodes, extra_inits = block_sum_input(x, block, augmented[x])
+                    at = list(m.graph.node).index(node)
+                    for k, n in enumerate(extra_nodes):
+                        m.graph.node.insert(at + k, n)
+                    m.graph.initializer.extend(extra_inits)
+                node.input[0] = augmented[x]
+                for a in node.attribute:
+                    if a.name == "K":
+                        a.CopyFrom(helper.make_attribute("K", int(k_aug)))
+                for arr, iname in zip(packed, node.input[1:4]):   # new widths: the operator's own shapes
+                    inits[iname].CopyFrom(numpy_helper.from_array(arr, iname))
+            else:
+                for arr, iname in zip(packed, node.input[1:4]):
+                    t = inits[iname]
+                    if int(np.prod(t.dims)) != arr.size or numpy_helper.to_array(t).dtype != arr.dtype:
+                        raise ForgeError(f"quantize: {iname} is {list(t.dims)} {numpy_helper.to_array(t).dtype}, "
+                                         f"the fit wrote {arr.size} {arr.dtype}: ORT's MatMulNBits layout changed")
+                    t.CopyFrom(numpy_helper.from_array(arr.reshape(tuple(t.dims)), iname))
+            if o.bias_correction:    # E[x] (W - W_q): MatMulNBits' optional bias input (index 5; g_idx left empty)
+                wq = effective_weight(qv, s, z, block, w.shape[0])
+                bias = (mu @ (w.astype(np.float64) - wq)).astype(np.float32)
+                m.graph.initializer.append(numpy_helper.from_array(bias, node.input[1] + "_bias_correction"))
+                node.input.extend(["", node.input[1] + "_bias_correction"])
+            # the error the method minimises (calibration output error: E[x x^T] for gptq, its diagonal for fit;
+            # plain squared error for offsets), against round-to-nearest's on the same weight
+            ratios[name] = weighted_error(w, qv, s, z, block, hh) / max(
+                weighted_error(w, *rtn_int4(w, block), block, hh), 1e-30)
+            advance(1)
+    if todo:
+        raise ForgeError(f"quantize: ORT's quantizer left {sorted(v[0] for v in todo.values())[:5]} as MatMul")
+    _save(m, out_dir)
+    r = np.array(list(ratios.values()))
+    how = {"offsets": "integer zero points + per-block float offsets as extra input columns [x, blocksum(x)]"}.get(
+        o.method, f"integer zero points ({o.method}, calibration-weighted)")
+    return {"method": f"MatMulNBits ({o.method})", "weights": f"int4 asym block {block}, {how}",
+            "bias_correction": o.bias_correction,
+            "activations": {4: f"int8 per token and {block}-block, computed at run time (accuracy_level 4)"}.get(
+                o.accuracy_level, f"accuracy_level {o.accuracy_level}"), "accuracy_level": o.accuracy_level,
+            "output_error_vs_rtn": {"median": float(np.median(r)), "max": float(r.max()), "min": float(r.min())}}
+
+
+def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_head: list[str],
+             act: dict[str, dict] | None = None) -> dict:
     """Weight-only INT4 (MatMulNBits). ``options.method``: ``hqq`` (default; ORT's half-quadratic quantizer, float
-    zero points) or ``rtn`` (round-to-nearest, integer zero point). The untied lm_head stays 8-bit blockwise
-    (``options.lm_head_bits``: 8 or 4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
+    zero points), ``rtn`` (round-to-nearest, integer zero point), ``fit`` / ``gptq`` (integer zero points fitted to
+    calibration data: :func:`_int4_fitted`). The untied lm_head stays 8-bit blockwise (``options.lm_head_bits``: 8 or
+    4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
     from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     method, block = o.method, o.block_size
     lm8 = [n for n in lm_head if n not in excluded] if o.lm_head_bits == 8 else []
-    if method == "rtn":
+    if o.bias_correction and method not in INT4_CALIBRATED:
+        raise ForgeError(f"quantize.options.bias_correction applies to methods {sorted(INT4_CALIBRATED)} (it reads "
+                         f"calibration data), not {method}: drop it or pick one of those methods")
+    if method in INT4_CALIBRATED and act is None:
+        raise ForgeError(f"quantize.options.method {method} fits the weights to calibration data: set "
+                         "quantize.calibration (e.g. {set: sotu, split: calib, samples: 32, seq_len: 256})")
+    if method in INT4_OWN:
+        info = _int4_fitted(model, out_dir, o, excluded + lm8, act)
+    elif method == "rtn":
         info = _nbits(model, out_dir, excluded + lm8, bits=4, block=block, sym=o.symmetric, acc=o.accuracy_level)
     elif method == "hqq":
         q = MatMulNBitsQuantizer(model, algo_config=HQQWeightOnlyQuantConfig(block_size=block, bits=4),
@@ -416,15 +571,53 @@ def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_he
         info = {"method": "MatMulNBits (HQQ)", "weights": f"int4 block {block}, float zero points (HQQ)",
                 "activations": "fp32 (HQQ's MatMulNBits kernels)"}
     else:
-        raise ForgeError(f"quantize.options.method {method!r} is not known for int4_wo; use hqq or rtn")
+        raise ForgeError(f"quantize.options.method {method!r} is not known for int4_wo; use hqq, rtn, fit or gptq")
     if lm8:
         import onnx
         m = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
-        # symmetric unless options.symmetric is set (its default, False, is int4 rtn's)
-        sym = o.symmetric if "symmetric" in o.model_fields_set else True
-        _nbits(m, out_dir, excluded, bits=8, block=block, sym=sym, acc=o.accuracy_level, include=lm8)
+        _nbits(m, out_dir, excluded, bits=8, block=block, sym=_lm_head8_symmetric(o), acc=o.accuracy_level,
+               include=lm8)
         info["lm_head"] = "int8 blockwise (MatMulNBits 8-bit)"
     return info
+
+
+def _lm_head8_symmetric(o: OrtInt4Options) -> bool:
+    """int4_wo's 8-bit lm_head: symmetric unless options.symmetric is set (its default, False, is int4 rtn's)."""
+    return o.symmetric if "symmetric" in o.model_fields_set else True
+
+
+def weight_grid(algo: str, options=None, *, tied_lm_head: bool, scale_dtype: str = "float32") -> dict:
+    """The weights' grids :func:`quantize_onnx` writes for ``algo`` / ``options``, as the spec the torch simulation
+    reads (pipeline/eval/fake_quant.py ``simulate_model``): ``linear`` (bits, block, symmetric) for every weight
+    MatMul, ``lm_head`` where it differs, ``embedding``, ``exclude`` (module-name patterns) and ``scale_dtype``
+    (the scales' type in the engine's graph: float16 after the CUDA build's fp16 conversion).
+
+    ``tied_lm_head``: the model ties lm_head to the embedding. int4_wo's 8-bit lm_head applies to a tied lm_head
+    only, the one :func:`fold_weight_transposes` unties: an untied lm_head (Qwen2.5-7B) is a weight MatMul like the
+    others and gets the 4-bit grid. Only the round-to-nearest grids have a closed form: ForgeError (exit 2, naming
+    the key) for HQQ, dynamic or mixed INT8 (activation scales over the batch), or SmoothQuant (rescaled weights)."""
+    o = typed_options(algo, options)
+    why = "validate.reference: simulated"
+    if algo == "int4_wo":
+        if o.method != "rtn":
+            raise ForgeError(f"{why} needs quantize.options.method: rtn for int4_wo (HQQ's optimised zero points "
+                             f"have no closed form to simulate); got {o.method!r}")
+        lm = {"bits": 8, "block": o.block_size, "symmetric": _lm_head8_symmetric(o)} \
+            if tied_lm_head and o.lm_head_bits == 8 else None
+        return {"algo": algo, "linear": {"bits": 4, "block": o.block_size, "symmetric": o.symmetric},
+                "lm_head": lm, "embedding": None, "exclude": list(o.exclude), "scale_dtype": scale_dtype}
+    if algo == "int8":
+        if o.method != "blockwise":
+            raise ForgeError(f"{why} needs quantize.options.method: blockwise for int8 (dynamic INT8 quantizes "
+                             f"activations with one scale over the batch: no weight-only grid); got {o.method!r}")
+        if o.smoothquant_alpha is not None:
+            raise ForgeError(f"{why} needs quantize.options.smoothquant_alpha: null (SmoothQuant rescales the "
+                             "weights by calibrated activation ranges before they are quantized)")
+        return {"algo": algo, "linear": {"bits": 8, "block": o.block_size, "symmetric": o.symmetric}, "lm_head": None,
+                "embedding": "int8_rows" if o.embedding == "int8" else None, "exclude": list(o.exclude),
+                "scale_dtype": scale_dtype}
+    raise ForgeError(f"{why}: quantize.algo {algo!r} writes no weight-only grid to simulate (int4_wo or int8 "
+                     "blockwise do); use validate.reference: fp32")
 
 
 def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib_windows=None,
@@ -450,9 +643,11 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         stats["untied"] = untied
         nodes = weight_matmuls(model)
         excluded = [n.name for n, _ in nodes if _matches(n, list(o.exclude))]
+        act = None
         if calib_windows is not None:
             acts = sorted({n.input[0] for n, _ in nodes})
-            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=o.threads)
+            act = activation_stats(fp32_dir, calib_windows, tensors=acts, threads=o.threads,
+                                   moments=INT4_CALIBRATED.get(o.method) if algo == "int4_wo" else None)
             consumers = {}
             for n, _ in nodes:
                 consumers.setdefault(n.input[0], []).append(module_name(n))
@@ -501,7 +696,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic or blockwise")
         else:
-            info = _int4_wo(model, out_dir, o, excluded, untied)
+            info = _int4_wo(model, out_dir, o, excluded, untied, act)
         info["excluded_nodes"] = excluded
         info["quantized_matmuls"] = len(nodes) - len(excluded)
     copy_side_files(fp32_dir, out_dir)

@@ -257,3 +257,61 @@ def test_serve_bench_benches_what_a_recorded_night_built(tmp_path):
     rep.write_text(json.dumps({"stages": stages}))
     why = built_payloads("smollm2-135m-int8", tmp_path)
     assert isinstance(why, str) and "did not finish" in why and "'evaluate': 'failed'" in why
+
+
+def test_hf_dir_from_report_resolves_the_source_stage_path_against_forge_home(tmp_path, monkeypatch):
+    """Issue 41: since source stage v3 the report's model_dir is relative to FORGE_HOME; `make bench-peers` read it
+    relative to the working directory, found nothing and skipped the GenAI builder peer ("no fp32 HF model dir")."""
+    from bench.run import hf_dir_from_report
+
+    model = tmp_path / "home" / "models" / "smol-abc"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    rep = {"stages": [{"name": "source", "metrics": {"model_dir": "models/smol-abc"}}]}
+    monkeypatch.setenv("FORGE_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert hf_dir_from_report(rep) == str(model)
+    assert hf_dir_from_report(rep, home=tmp_path / "elsewhere") is None          # not in that home
+    absolute = {"stages": [{"name": "source", "metrics": {"model_dir": str(model)}}]}   # a local dir outside it
+    assert hf_dir_from_report(absolute, home=tmp_path / "elsewhere") == str(model)
+    assert hf_dir_from_report({"stages": [{"name": "source", "metrics": {}}]}) is None
+
+
+def test_peer_plan_gives_each_peer_what_it_needs_and_says_why_one_is_skipped(tmp_path, monkeypatch):
+    """GenAI's builder gets the fp32 HF dir, Olive our FP32 graph (its own HF export cannot run with the pinned
+    transformers / genai); without them each is skipped with the reason."""
+    from bench import peers
+
+    monkeypatch.setattr(peers, "_version", lambda dist: None if dist == "llama-cpp-python" else "9.9")
+    calls = {}
+    monkeypatch.setattr(peers, "build_oga_int4", lambda hf, dst: calls.setdefault("oga", (hf, dst)) and (dst, 1.0))
+    monkeypatch.setattr(peers, "build_olive_int8", lambda fp32, dst: calls.setdefault("olive", (fp32, dst)) and (dst, 2.0))
+    monkeypatch.setattr(peers, "oga_on_ours", lambda eng, dst: dst)
+    hf, fp32, int8 = tmp_path / "hf", tmp_path / "fp32", tmp_path / "int8"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    plan = {p["name"]: p for p in peers.peer_plan(hf, tmp_path / "w", 2, ours={"fp32": str(fp32), "int8": str(int8)})}
+    assert calls["oga"][0] == hf and calls["olive"][0] == fp32
+    assert plan["ORT GenAI INT4"]["kind"] == "oga" and plan["Olive INT8"]["kind"] == "ort"
+    assert "on our FP32 graph" in plan["Olive INT8"]["note"]
+    assert "peers-llama" in plan["llama.cpp Q4_1"]["skipped"]
+    plan = {p["name"]: p for p in peers.peer_plan(None, tmp_path / "w", 2, ours={"int8": str(int8)})}
+    assert "pass --hf-dir" in plan["ORT GenAI INT4"]["skipped"]
+    assert "no fp32 engine of ours" in plan["Olive INT8"]["skipped"] and "transformers" in plan["Olive INT8"]["skipped"]
+
+
+def test_olive_that_exits_0_without_a_model_is_an_error_with_its_output(tmp_path, monkeypatch):
+    """olive auto-opt exits 0 and prints "No output model produced" when its passes fail: judged by the file."""
+    import subprocess
+
+    from bench import peers
+
+    fp32 = tmp_path / "fp32"
+    fp32.mkdir()
+    (fp32 / "model.onnx").write_bytes(b"x")
+    monkeypatch.setattr(peers, "_version", lambda dist: "0.13.0")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "WARNING: Location 'file:///x' is ignored\nNo output model produced. Please check the log.", ""))
+    with pytest.raises(RuntimeError, match=r"exit 0\) wrote no model.onnx .*No output model produced") as e:
+        peers.build_olive_int8(fp32, tmp_path / "olive")
+    assert "WARNING: Location" not in str(e.value)

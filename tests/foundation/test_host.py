@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import threading
+
+import pytest
 from pathlib import Path
 
 from pipeline.host import files, gpu, rss, tools
@@ -68,9 +70,14 @@ def test_gpu_sm_from_nvml_then_torch(monkeypatch):
 
 
 def test_one_fp8_rule():
-    from pipeline.gpus import FP8_MIN_SM, GPUS, min_sm
-    from pipeline.quant import needs_sm
-    assert needs_sm("fp8") == min_sm("int8_sq", "fp8") == FP8_MIN_SM == 89 and min_sm("int8_sq") is None
+    """FP8 needs SM 8.9: one constant, which the quantizers that make FP8 engines declare (Quantizer.min_sm)."""
+    from pipeline import targets
+    from pipeline.gpus import FP8_MIN_SM, GPUS
+    from pipeline.trtllm.quantizers import needs_sm
+    assert needs_sm("fp8") == needs_sm("int8_sq", "fp8") == FP8_MIN_SM == 89 and needs_sm("int8_sq") is None
+    assert {(t.name, a) for t in targets.all_targets() for a, q in t.quantizers.items() if q.min_sm} == {
+        ("tensorrt_llm", "fp8"), ("tensorrt_llm", "fp8_pc_pt"), ("tensorrt", "fp8")}
+    assert {q.min_sm for t in targets.all_targets() for q in t.quantizers.values()} == {None, FP8_MIN_SM}
     assert [g.name for g in GPUS.values() if g.has_fp8] == ["rtx4090", "l40s", "h100", "h200"]
 
 
@@ -86,6 +93,26 @@ def test_peak_rss_sees_memory_allocated_inside_the_block():
     assert m.peak - m.start >= 48 * 2**20
     block.close()
     assert rss.process_peak_rss_bytes() >= m.peak - 2**20
+
+
+def test_process_peak_rss_is_this_program_s_not_its_parent_s():
+    """A child started by a large process reports its own peak: ru_maxrss survives exec on Linux and would report
+    the parent's size at the fork."""
+    import subprocess
+    import sys
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the exec-inherited ru_maxrss is Linux's")
+    block = bytearray(400 * 2**20)
+    for off in range(0, len(block), 4096):
+        block[off] = 1
+    out = subprocess.run([sys.executable, "-c", "from pipeline.host.rss import process_peak_rss_bytes as p; "
+                          "import resource; print(p(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"],
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    own, inherited = map(int, out.stdout.split())
+    assert inherited >= 400 * 2**20      # the kernel figure this function does not use
+    assert own < 200 * 2**20, own
+    del block
 
 
 def test_peak_rss_of_another_process_tree():

@@ -112,7 +112,61 @@ def test_int4_rtn_method_is_available(tiny_onnx_dir, tmp_path):
     m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
     assert m["method"] == "MatMulNBits" and "asym block 32" in m["weights"]
     with pytest.raises(ForgeError, match="quantize.options.method"):
-        quantize_onnx(tiny_onnx_dir, tmp_path / "x", algo="int4_wo", options={"method": "gptq"})
+        quantize_onnx(tiny_onnx_dir, tmp_path / "x", algo="int4_wo", options={"method": "awq"})
+
+
+def _nbits_nodes(d):
+    m = onnx.load(str(d / "model.onnx"), load_external_data=True)
+    inits = {i.name: i for i in m.graph.initializer}
+    return [(n, {a.name: a.i for a in n.attribute}, inits) for n in m.graph.node if n.op_type == "MatMulNBits"]
+
+
+@pytest.mark.parametrize("method", ["fit", "gptq", "offsets"])
+def test_int4_fitted_methods_write_the_fast_layout_and_beat_rtn(tiny_onnx_dir, tmp_path, ref_logits, eval_ids,
+                                                                 method):
+    """Issue 41: integer (uint8) zero points and accuracy_level 4 -- the layout MLAS pre-packs for its int8 kernels,
+    where HQQ's float zero points are dequantized on every call -- with values fitted to calibration data."""
+    calib = np.random.default_rng(0).integers(0, 256, (16, 64))   # 1024 tokens for E[x x^T] of width <= 128
+    m = quantize_onnx(tiny_onnx_dir, tmp_path / method, algo="int4_wo", calib_windows=calib,
+                      options={"method": method, "threads": 1})
+    assert m["method"] == f"MatMulNBits ({method})" and "integer zero points" in m["weights"]
+    # the calibration output error each method minimises, against round to nearest's, per MatMul
+    assert m["output_error_vs_rtn"]["median"] < 0.95 and m["output_error_vs_rtn"]["max"] <= 1.0 + 1e-6
+    nodes = _nbits_nodes(tmp_path / method)
+    four = [(n, a, i) for n, a, i in nodes if a["bits"] == 4]
+    assert len(four) == 2 * 7 and len(nodes) == 2 * 7 + 1            # the untied lm_head stays 8-bit
+    for n, a, inits in four:
+        assert a["accuracy_level"] == 4 and a["block_size"] == 32
+        assert len(n.input) >= 4 and inits[n.input[3]].data_type == onnx.TensorProto.UINT8
+        # offsets: the input is [x, blocksum(x)], K grows by one column per block (hidden 64 / intermediate 128)
+        assert a["K"] in ((64 + 2, 128 + 4) if method == "offsets" else (64, 128))
+        assert n.input[0].endswith("_blocksums") == (method == "offsets")
+    meta = json.loads((tmp_path / method / "forge_ort.json").read_text())
+    assert meta["batch_invariant"] is True
+    rtn = quantize_onnx(tiny_onnx_dir, tmp_path / "rtn", algo="int4_wo", options={"method": "rtn"})
+    assert rtn["method"] == "MatMulNBits"
+    err = lambda d: float(np.mean((OrtEngine(d, threads=1).logits(eval_ids) - ref_logits) ** 2))  # noqa: E731
+    assert err(tmp_path / method) < err(tmp_path / "rtn")
+
+
+def test_int4_fitted_method_without_calibration_names_the_recipe_key(tiny_onnx_dir, tmp_path):
+    with pytest.raises(ForgeError, match="quantize.calibration"):
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"method": "fit"})
+    with pytest.raises(ForgeError, match="quantize.options.bias_correction applies to methods"):
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", options={"method": "offsets", "bias_correction": True})
+    # offsets reads the weights only
+    m = quantize_onnx(tiny_onnx_dir, tmp_path / "o", algo="int4_wo", options={"method": "offsets"})
+    assert m["method"] == "MatMulNBits (offsets)" and "blocksum" in m["weights"]
+
+
+def test_int4_bias_correction_adds_matmulnbits_bias_inputs(tiny_onnx_dir, tmp_path):
+    calib = np.random.default_rng(0).integers(0, 256, (4, 32))
+    m = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int4_wo", calib_windows=calib,
+                      options={"method": "fit", "bias_correction": True, "threads": 1})
+    assert m["bias_correction"] is True
+    four = [(n, i) for n, a, i in _nbits_nodes(tmp_path) if a["bits"] == 4]
+    assert four and all(len(n.input) == 6 and n.input[4] == "" and n.input[5] in i for n, i in four)
+    OrtEngine(tmp_path, threads=1).logits(np.zeros((1, 4), np.int64))     # ORT runs the bias input
 
 
 def test_none_is_a_copy(tiny_onnx_dir, tmp_path, ref_logits, eval_ids):
@@ -162,3 +216,25 @@ def test_batch_invariance_is_known_from_the_engine(tiny_onnx_dir, tmp_path, algo
     batched = eng.logits(mates)[0]
     if invariant:
         np.testing.assert_allclose(batched, alone, rtol=1e-4, atol=1e-4)
+
+
+def test_activation_moments_agree_between_the_diagonal_and_the_full_graph(tiny_onnx_dir):
+    """The second moments the int4 fits read: E[x_i^2] by ReduceSumSquare and E[x x^T] by a MatMul of the flattened
+    activations are two graphs for one quantity; E[x_i]^2 <= E[x_i^2] (Jensen)."""
+    from pipeline.ort.quantize import activation_stats
+
+    m = onnx.load(str(tiny_onnx_dir / "model.onnx"), load_external_data=False)
+    tensors = sorted({n.input[0] for n in m.graph.node if n.op_type == "MatMul"})[:3]
+    assert tensors
+    calib = np.random.default_rng(2).integers(0, 256, (3, 16))
+    diag = activation_stats(tiny_onnx_dir, calib, tensors=tensors, threads=1, moments="diag")
+    full = activation_stats(tiny_onnx_dir, calib, tensors=tensors, threads=1, moments="full", batch_size=2)
+    for t in tensors:
+        h = full[t]["second_moment"]
+        assert h.shape == (h.shape[0], h.shape[0]) and np.allclose(h, h.T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.diag(h), diag[t]["channel_meansq"], rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(full[t]["channel_mean"], diag[t]["channel_mean"], rtol=1e-4, atol=1e-6)
+        assert np.all(diag[t]["channel_mean"] ** 2 <= diag[t]["channel_meansq"] * (1 + 1e-5) + 1e-9)
+        assert "channel_meansq" not in activation_stats(tiny_onnx_dir, calib[:1], tensors=[t], threads=1)[t]
+    with pytest.raises(ValueError, match="moments"):
+        activation_stats(tiny_onnx_dir, calib, tensors=tensors, moments="cov")

@@ -7,8 +7,14 @@ import torch
 
 from pipeline.quant import quantize_model, restore_model
 from pipeline.quant.calibrate import calibrate, load_hf_model, perplexity
-from pipeline.quant.configs import modelopt_config, resolve_quant_config
 from pipeline.quant.stats import scales_fingerprint
+from pipeline.recipe import QuantizeSection
+from pipeline.trtllm.quantizers import QUANTIZERS
+
+
+def section(q: dict) -> QuantizeSection:
+    """A quantize section as a recipe holds it (validated by the schema, the one validation)."""
+    return QuantizeSection.model_validate(q)
 
 
 
@@ -16,7 +22,9 @@ def _scales(model_dir, q, calib):
     from pipeline.modelinfo import ModelInfo
     info = ModelInfo.from_dir(model_dir)
     m = load_hf_model(model_dir)
-    m, act = calibrate(m, modelopt_config(resolve_quant_config(q, info), info), calib, batch=2)
+    qs = section(q)
+    qz = QUANTIZERS[qs.algo]
+    m, act = calibrate(m, qz.modelopt_config(qz.options_of(qs), qs.kv_cache, info), calib, batch=2)
     return scales_fingerprint(m), act
 
 
@@ -57,8 +65,8 @@ def test_int4_block_size_reaches_modelopt(tiny_llama, windows):
 
 def test_quantize_model_ptq_writes_artifact_and_restores(tiny_llama, tmp_path, windows):
     calib, ev = windows(8, 32, seed=1), windows(4, 32, seed=9)
-    m = quantize_model(tiny_llama, {"method": "ptq", "algo": "int8_sq", "alpha": 0.5,
-                                    "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 1}},
+    m = quantize_model(tiny_llama, section({"method": "ptq", "algo": "int8_sq", "alpha": 0.5,
+                                            "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 1}}),
                        calib, tmp_path / "a", eval_windows=ev)
     assert m["ppl_fp32"] > 1 and m["ppl_ptq"] > 1
     assert m["ppl_ptq_delta_pct"] == pytest.approx(100 * (m["ppl_ptq"] - m["ppl_fp32"]) / m["ppl_fp32"])
@@ -84,7 +92,7 @@ def test_quantize_model_qat_distill_lowers_train_loss(tiny_llama, tmp_path, wind
          "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 1},
          "qat": {"epochs": 2, "lr": 1e-3, "batch": 4, "samples": 16, "seq_len": 32, "warmup_steps": 1,
                  "distill": {"enabled": True, "temperature": 2.0, "alpha": 1.0}}}
-    m = quantize_model(tiny_llama, q, calib, tmp_path / "q", train=train, eval_windows=ev)
+    m = quantize_model(tiny_llama, section(q), calib, tmp_path / "q", train=train, eval_windows=ev)
     assert m["qat"]["steps"] == 8 and m["qat"]["distill"] is True
     assert len(m["qat"]["loss_curve"]) == 8
     assert m["qat"]["epoch_loss"][1] < m["qat"]["epoch_loss"][0]
@@ -96,7 +104,8 @@ def test_quantize_model_qat_distill_lowers_train_loss(tiny_llama, tmp_path, wind
 def test_quantize_model_rejects_bad_config(tiny_llama, tmp_path, windows):
     from pipeline.errors import RecipeError
     with pytest.raises(RecipeError, match=r"quantize\.block_size"):
-        quantize_model(tiny_llama, {"algo": "int4_awq", "block_size": 48}, windows(2, 16, 0), tmp_path / "x")
+        quantize_model(tiny_llama, section({"algo": "int4_awq", "block_size": 48}), windows(2, 16, 0),
+                       tmp_path / "x")
 
 
 def test_quantize_payload_is_reproducible(tiny_llama, tmp_path, windows):
@@ -105,7 +114,8 @@ def test_quantize_payload_is_reproducible(tiny_llama, tmp_path, windows):
     from pipeline.hashing import tree_digest
     q = {"method": "ptq", "algo": "int8_sq", "alpha": 0.5,
          "calibration": {"samples": 8, "seq_len": 32, "batch": 2, "seed": 1}}
-    runs = [quantize_model(tiny_llama, q, windows(8, 32, seed=1), tmp_path / d, eval_windows=windows(4, 32, seed=9))
+    runs = [quantize_model(tiny_llama, section(q), windows(8, 32, seed=1), tmp_path / d,
+                           eval_windows=windows(4, 32, seed=9))
             for d in ("a", "b")]
     assert "seconds" in runs[0] and "peak_rss_mb" in runs[0]                   # still reported ...
     assert "seconds" not in json.loads((tmp_path / "a" / "metrics.json").read_text())   # ... not in the payload

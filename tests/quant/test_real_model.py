@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pipeline.quant import quantize_model, restore_model
+from pipeline.recipe import QuantizeSection
 from pipeline.quant.calibrate import perplexity
 
 
@@ -41,7 +42,7 @@ def test_int8_sq_kv_int8_on_default_model(model_dir, tok_windows, tmp_path):
     calib, ev = tok_windows
     q = {"algo": "int8_sq", "alpha": 0.5, "kv_cache": "int8",
          "calibration": {"samples": 4, "seq_len": 128, "batch": 2, "seed": 0}}
-    m = quantize_model(model_dir, q, calib, tmp_path / "a", eval_windows=ev)
+    m = quantize_model(model_dir, QuantizeSection.model_validate(q), calib, tmp_path / "a", eval_windows=ev)
     assert 5 < m["ppl_fp32"] < 100
     assert m["ppl_ptq"] > m["ppl_fp32"] * 0.97               # quantization does not make it much better
     assert m["ppl_ptq_delta_pct"] < 50                       # and alpha 0.5 does not wreck it
@@ -60,8 +61,8 @@ def test_cuda_path(model_dir, tok_windows, tmp_path):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     calib, ev = tok_windows
-    m = quantize_model(model_dir, {"algo": "int4_awq", "block_size": 64,
-                                   "calibration": {"samples": 4, "seq_len": 128, "batch": 2, "seed": 0}},
+    m = quantize_model(model_dir, QuantizeSection(algo="int4_awq", block_size=64,
+                                                  calibration={"samples": 4, "seq_len": 128, "batch": 2, "seed": 0}),
                        calib, tmp_path / "g", eval_windows=ev, device="cuda")
     assert m["ppl_ptq_delta_pct"] < 30
     assert restore_model(model_dir, tmp_path / "g", device="cuda").lm_head.weight.is_cuda

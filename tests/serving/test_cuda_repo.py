@@ -38,7 +38,7 @@ def test_cuda_manifest_names_the_gpu_and_deploy_needs_one(tiny_artifacts, tmp_pa
     verify-deploy refuses a machine without a GPU and accepts one with it."""
     from pipeline.triton.manifest import current_env, read_manifest, verify_deploy, write_manifest
     out, summary = _repo(tiny_artifacts, tmp_path, "cuda")
-    write_manifest(out, {"target": "cuda:sm_90:NVIDIA H200", "recipe": {"name": "tiny-cuda"}, "repository": summary,
+    write_manifest(out, {"engine": "onnxruntime", "target": "cuda:sm_90:NVIDIA H200", "recipe": {"name": "tiny-cuda"}, "repository": summary,
                          "build": {"provider": "cuda", "precision": "fp16"}})
     hw = read_manifest(out)["hardware"]
     assert hw["kind"] == "gpu" and hw["provider"] == "cuda" and hw["sm"] == 90 and hw["gpu"] == "NVIDIA H200"

@@ -18,7 +18,7 @@ def packaged(tiny_repo, tmp_path):
     repo, summary = tiny_repo
     r = tmp_path / "repo"
     shutil.copytree(repo, r)
-    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "digests": {"model": "ab" * 32},
+    write_manifest(r, {"engine": "onnxruntime", "target": "cpu", "recipe": {"name": "tiny"}, "digests": {"model": "ab" * 32},
                        "metrics": {"greedy_match": 1.0}, "repository": summary, "build_args": {"opt_level": "extended"}})
     return r
 
@@ -87,6 +87,30 @@ def test_gpu_target_needs_sm(packaged):
         write_manifest(packaged, {"engine": "tensorrt_llm", "target": "sm-unspecified"})
 
 
+def test_each_gpu_target_names_its_own_sm_key(packaged):
+    """What a GPU engine needs is its target's (Target.deploy): a tensorrt engine's fix names build.tensorrt.gpu_sm
+    (verify-deploy named build.tensorrt_llm.gpu_sm for every GPU engine before issue 39)."""
+    write_manifest(packaged, {"engine": "tensorrt", "target": "sm89", "recipe": {"name": "trt-int8"},
+                              "tools": {"tensorrt": "10.13.0"}})
+    env = _env(tensorrt="10.13.0")
+    env["gpu_sms"] = [90]
+    assert verify_deploy(packaged, env) == [
+        "the engine was built for SM 89, this machine's GPUs are SM [90]; rebuild it here with "
+        "`forge build trt-int8 --set build.tensorrt.gpu_sm=90`"]
+    with pytest.raises(ForgeError, match=r"set build\.tensorrt\.gpu_sm \(e\.g\. 90\)"):
+        write_manifest(packaged, {"engine": "tensorrt", "target": "sm-unspecified"})
+
+
+def test_the_engine_must_be_a_registered_target(packaged):
+    with pytest.raises(ForgeError, match=r"manifest engine None: not a registered build target \(targets: "
+                                         r"onnxruntime, tensorrt_llm, tensorrt\)"):
+        write_manifest(packaged, {"target": "cpu", "recipe": {"name": "tiny"}})
+    mf = packaged / "manifest.json"
+    mf.write_text(json.dumps(dict(json.loads(mf.read_text()), engine="openvino")))
+    assert verify_deploy(packaged) == ["manifest.json: unknown engine 'openvino' (targets: onnxruntime, tensorrt_llm, "
+                                       "tensorrt); rebuild it with `forge build tiny --force package`"]
+
+
 def test_missing_manifest(tmp_path):
     with pytest.raises(ForgeError, match=r"`forge build RECIPE`"):
         verify_deploy(tmp_path)
@@ -108,7 +132,7 @@ def _isa_env(cls):
 def test_manifest_records_validated_isa(tiny_repo, tmp_path):
     r = tmp_path / "repo"
     shutil.copytree(tiny_repo[0], r)
-    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
+    write_manifest(r, {"engine": "onnxruntime", "target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
     hw = read_manifest(r)["hardware"]
     assert hw["validated_isa_class"] == "x86_64-avx2" and hw["validated_cpu_model"] == "AMD EPYC 7B13"
     assert hw["validated_isa_flags"] == ["avx", "avx2", "fma"]
@@ -119,14 +143,14 @@ def test_verify_deploy_warns_on_another_isa_class(tiny_repo, tmp_path):
     from pipeline.triton.manifest import deploy_warnings
     r = tmp_path / "repo"
     shutil.copytree(tiny_repo[0], r)
-    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
+    write_manifest(r, {"engine": "onnxruntime", "target": "cpu", "recipe": {"name": "tiny"}, "metrics": AVX2_EVAL, "quantization": U8_DYNAMIC})
     assert deploy_warnings(r, _isa_env("x86_64-avx2")) == []
     w = deploy_warnings(r, _isa_env("x86_64-amx"))
     assert len(w) == 1 and "validated on x86_64-avx2" in w[0] and "this CPU is x86_64-amx" in w[0]
     assert "not known to lose accuracy" in w[0] and "forge build tiny" in w[0]
     assert verify_deploy(r, _isa_env("x86_64-amx")) == []          # a warning, not a refusal
     # an engine with full-range s8 dynamic MatMuls, validated on AMX, deployed to an AVX2 CPU: the reason is named
-    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "quantization": S8_DYNAMIC,
+    write_manifest(r, {"engine": "onnxruntime", "target": "cpu", "recipe": {"name": "tiny"}, "quantization": S8_DYNAMIC,
                        "metrics": {"measured_on": dict(AVX2_EVAL["measured_on"], isa_class="x86_64-amx")}})
     w = deploy_warnings(r, _isa_env("x86_64-avx2"))
     assert len(w) == 1 and "known to lose accuracy here" in w[0] and "saturating 16-bit" in w[0]
@@ -139,7 +163,7 @@ def test_verify_deploy_cli_prints_the_isa_warning_and_passes(tiny_repo, tmp_path
     r = tmp_path / "repo"
     shutil.copytree(tiny_repo[0], r)
     other = "x86_64-avx2" if current_env()["cpu_isa_class"] != "x86_64-avx2" else "x86_64-amx"
-    write_manifest(r, {"target": "cpu", "recipe": {"name": "tiny"}, "quantization": U8_DYNAMIC,
+    write_manifest(r, {"engine": "onnxruntime", "target": "cpu", "recipe": {"name": "tiny"}, "quantization": U8_DYNAMIC,
                        "metrics": {"measured_on": dict(AVX2_EVAL["measured_on"], isa_class=other)}})
     res = CliRunner().invoke(app, ["verify-deploy", str(r)])
     assert res.exit_code == 0, res.output

@@ -96,7 +96,7 @@ EOF
     t "gpu_setup failed: stop"; touch $W/bg.done; exit 1; fi
   t "gpu_setup ok: $($X python3 -c 'import onnxruntime as o; print(o.__version__, o.get_available_providers())')"
   $X python3 -m pipeline.cli doctor --json > $O/doctor.json 2>&1
-  for r in $RF16 $RI4; do
+  for r in $RI4 $RF16; do   # INT4 first: its build covers the streamed export, quantize and the simulation gate
     $X python3 lab/gpu_38_steps.py step "build-$r" -- python3 -m pipeline.cli build $r --report-dir $O/build
     t "forge build $r rc $?"
   done

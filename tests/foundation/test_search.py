@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -118,8 +119,12 @@ def test_search_gates_measures_and_names_the_fastest_passing_candidate(toy, caps
     assert rows["exact"]["gates"]["ppl_delta_pct"] == 0.0 and rows["exact"]["gates"]["passed"] is True
     assert rows["quarter"]["gates"]["ppl_delta_pct"] == pytest.approx(100 * (4 / 12) / 7)
     assert rows["coarse"]["gates"]["top1_agreement"] < 0.7 and rows["coarse"]["speed"] == {}
-    assert "validate: validation failed for toy engine" in rows["coarse"]["reason"]
-    assert "validate.thresholds.top1_agreement_min" in rows["coarse"]["reason"]
+    # step 2: [0, 0, 0, 2, 2, 2, 2] for [0, 1/3, ..., 2]: |error| 3 of a sum of 7, 4 of 7 round alike
+    assert rows["coarse"]["reason"] == ("validate: ppl_delta_pct = 42.86 (needs <= 10.0, validate.thresholds."
+                                        "ppl_delta_pct_max); top1_agreement = 0.5714 (needs >= 0.7, "
+                                        "validate.thresholds.top1_agreement_min)")
+    assert "validation failed for toy engine" in json.loads(Path(rows["coarse"]["report"]).read_text())[
+        "stages"][5]["message"]
     assert rows["accel"]["reason"] == "cannot run here: build: needs a toy accelerator (build.toy.label accel)"
     assert rows["accel"]["stages"] == {} and rows["accel"]["engine"] is None     # nothing built for it
     # the candidate equal to the searched recipe keeps its name (the build `forge build toy-search` makes)

@@ -212,17 +212,25 @@ def search(recipe: str,
            threads: Optional[int] = typer.Option(None, "--threads", help="threads per engine (default: all usable)"),
            apply_to: Optional[Path] = typer.Option(None, "--apply", help="write a recipe (.yaml) that extends RECIPE "
                                                    "with the winner's settings for --metric"),
-           metric: str = typer.Option("decode", "--metric", help="the winner --apply writes: prefill, decode or batch"),
+           metric: str = typer.Option("decode", "--metric", help="the winner --apply writes: prefill, decode, batch "
+                                      "or served"),
+           serve: bool = typer.Option(False, "--serve", help="also serve each passing candidate with tritonserver "
+                                      "(bench.serve: HTTP, concurrency 1 and 4, 8 requests each; ~1 min a candidate)"),
            cache_offline: bool = OfflineOpt):
     """Build every format RECIPE's target offers for this machine (each a cached, gated build), measure the passing
-    ones with the bench and name the fastest for prefill, decode batch 1 and decode batch 8."""
+    ones with the bench and name the fastest for prefill, decode batch 1, decode batch 8 (and served, --serve)."""
     from .report import report_dir_name
-    from .search import METRICS, PASSED, SKIPPED, INVALID, Search, apply as apply_winner, bench_measure, render
+    from . import search as search_mod
+    from .search import METRICS, PASSED, SKIPPED, INVALID, Search, apply as apply_winner, render
     from .status import EXIT_INCOMPLETE
     if metric not in METRICS:
         raise UsageError(f"--metric {metric}: choose {', '.join(METRICS)}")
     if apply_to is not None and apply_to.suffix not in (".yaml", ".yml"):
         raise UsageError(f"--apply {apply_to}: give a recipe file ending in .yaml")
+    if metric == "served" and not serve:
+        raise UsageError("--metric served: served throughput is measured with --serve; add it")
+    if serve and no_bench:
+        raise UsageError("--serve with --no-bench: --no-bench measures nothing; drop one")
     if apply_to is not None and no_bench:
         raise UsageError("--apply with --no-bench: the winner is chosen on the bench's figures; drop --no-bench")
     for flag, v in (("--reps", reps), ("--threads", threads)):
@@ -236,8 +244,9 @@ def search(recipe: str,
         return opened["cache"]
 
     dest = out or report_dir / report_dir_name(recipe) / "search"
-    s = Search(recipe, list(set_ or []), dest, candidate, None if no_bench else bench_measure(quick, reps, threads),
-               cache, err)
+    s = Search(recipe, list(set_ or []), dest, candidate,
+               None if no_bench else search_mod.bench_measure(quick, reps, threads), cache, err,
+               serve=search_mod.serve_measure() if serve else None)
     if not no_bench:
         from .search import BENCH, CHECKOUT
         if not BENCH.is_file():

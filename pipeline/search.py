@@ -38,6 +38,7 @@ METRICS = {
     "prefill": ("prefill_b1", "prefill tok/s (1x256)"),
     "decode": ("decode_b1", "decode tok/s (batch 1)"),
     "batch": ("decode_b8", "decode tok/s (batch 8)"),
+    "served": ("served_tok_s", "served output tok/s (tritonserver, HTTP)"),     # with --serve only
 }
 CHECKOUT = Path(__file__).resolve().parents[1]
 BENCH = CHECKOUT / "bench" / "run.py"
@@ -62,10 +63,10 @@ class Row:
     report: str | None = None
     speed: dict = field(default_factory=dict)       # the bench's flat figures, or {"error": ...}
     resolved: dict | None = None       # the resolved recipe (display form), for --apply
+    sets: list[str] = field(default_factory=list)   # every --set it was built with (its own, the user's, its name)
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in self.__dict__.items() if k != "resolved"}
-        return d
+        return {k: v for k, v in self.__dict__.items() if k not in ("resolved", "sets")}
 
     @property
     def built(self) -> list[str]:
@@ -177,6 +178,36 @@ def bench_measure(quick: bool = True, reps: int | None = None, threads: int | No
     return measure
 
 
+def serve_measure(levels: tuple[int, ...] = (1, 4), requests: int = 8):
+    """``serve(recipe, sets, reports dir, work dir) -> {"served_tok_s", "served_req_s", "served_levels", ...} or
+    {"error"}``: ``python -m bench.serve`` (make bench-serve's code: `forge serve` of the candidate's package driven
+    by tritonclient over HTTP) at ``levels``; the figure is output tok/s at the highest level."""
+    def serve(recipe: str, sets: list[str], reports: Path, work: Path) -> dict:
+        out = Path(work).resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "serve.json").unlink(missing_ok=True)
+        cmd = [sys.executable, "-m", "bench.serve", recipe, *[a for x in sets for a in ("--set", x)],
+               "--from-reports", str(Path(reports).resolve()), "--levels", ",".join(map(str, levels)),
+               "--requests", str(requests), "--protocols", "http", "--out", str(out)]
+        env = dict(os.environ, FORGE_PROGRESS="0",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p))
+        r = subprocess.run(cmd, cwd=str(CHECKOUT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True)
+        try:
+            (eng,) = json.loads((out / "serve.json").read_text())["engines"].values()
+        except (OSError, ValueError) as e:
+            return {"error": f"python -m bench.serve exited {r.returncode}, no serve.json ({e}): {r.stdout[-400:]}"}
+        if "error" in eng:
+            return {"error": eng["error"][-600:]}
+        per = eng["serve"]["protocols"]["http"]
+        top = per[str(max(levels))]
+        return {"served_tok_s": top["output_tok_s"], "served_req_s": top["req_s"], "served_p50_s": top["p50_s"],
+                "served_levels": {c: {k: m[k] for k in ("req_s", "output_tok_s", "p50_s", "p99_s", "errors",
+                                                        "mismatches")} for c, m in per.items()},
+                "served_errors": eng["serve"]["errors"], "served_mismatches": eng["serve"]["mismatches"]}
+    return serve
+
+
 # ----------------------------------------------------------------------------------------------- the search
 @dataclass
 class Search:
@@ -187,6 +218,7 @@ class Search:
     measure: Measure | None = None     # None: gates only (--no-bench)
     cache: Callable | None = None      # () -> ArtifactCache
     err: object = None                 # a rich console for progress
+    serve: Callable | None = None      # serve_measure(): served throughput per passing candidate (--serve)
     rows: list[Row] = field(default_factory=list)
 
     def _say(self, msg: str) -> None:
@@ -210,6 +242,11 @@ class Search:
                 speed_info = {"error": str(e)}
             for n, r in passed.items():
                 r.speed = (speed_info.get("engines") or {}).get(n) or {"error": speed_info.get("error", "not measured")}
+        if self.serve is not None:
+            for n, r in passed.items():
+                self._say(f"[bold]serving[/] {n} with tritonserver (bench.serve)")
+                served = self.serve(self.recipe, r.sets, self.out / "builds", self.out / "serve" / n)
+                r.speed.update(served if "error" not in served else {"serve_error": served["error"]})
         from .host.cpu import cpu_facts
         result = {
             "recipe": base.name, "recipe_path": base.path, "recipe_hash": base.hash, "target": base.build.target, "overrides": self.overrides,
@@ -220,6 +257,7 @@ class Search:
             "metrics": {m: label for m, (_, label) in METRICS.items()},
             "candidates": [r.to_json() for r in self.rows],
             "winners": winners(self.rows),
+            "served": self.serve is not None,
             "wall_s": round(time.perf_counter() - t0, 1),
             "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
@@ -243,7 +281,7 @@ class Search:
             row.status, row.reason = INVALID, "; ".join(e.problems)
             self._say(f"[yellow]{cand.name}: invalid for this recipe:[/] {escape(row.reason)}")
             return row
-        row.recipe, row.recipe_hash, row.resolved = r.name, r.hash, r.display_dict()
+        row.recipe, row.recipe_hash, row.resolved, row.sets = r.name, r.hash, r.display_dict(), list(sets)
         runner = Runner(r, self.cache())
         problems = runner.plan_problems()
         if problems:
@@ -303,9 +341,23 @@ def _num(v, fmt="{:,.1f}") -> str:
     return "" if v is None else fmt.format(v)
 
 
+COLUMN = {"prefill": "prefill tok/s", "decode": "decode b1 tok/s", "batch": "decode b8 tok/s",
+          "served": "served tok/s"}
+
+
+def shown_metrics(result: dict) -> list[str]:
+    """The metrics of the table: served only where a search measured it (--serve)."""
+    return [m for m in METRICS if m != "served" or result.get("served")]
+
+
+def headers(result: dict) -> list[str]:
+    return ["candidate", "status", "ppl Δ %", "top-1", *(COLUMN[m] for m in shown_metrics(result)), "fastest for",
+            "why"]
+
+
 def table_rows(result: dict) -> list[list[str]]:
-    """The table's cells per candidate: name, status, ppl delta %, top-1, prefill, decode b1, decode b8, best for,
-    reason (shared by the terminal table and search.md)."""
+    """The table's cells per candidate (``headers``): name, status, ppl delta %, top-1, each metric's figure, the
+    metrics it is fastest for, why it failed or was skipped (shared by the terminal table and search.md)."""
     wins = {}
     for metric, w in result["winners"].items():
         if w:
@@ -313,16 +365,13 @@ def table_rows(result: dict) -> list[list[str]]:
     out = []
     for c in result["candidates"]:
         g, s = c["gates"], c["speed"]
-        why = c["reason"] or (f"bench: {s['error']}" if "error" in s else "")
+        why = c["reason"] or "; ".join(f"{what}: {s[k]}" for k, what in (("error", "bench"), ("serve_error", "serve"))
+                                       if k in s)
         out.append([c["name"], c["status"], _num(g.get("ppl_delta_pct"), "{:+.2f}"),
                     _num(g.get("top1_agreement"), "{:.3f}"),
-                    *(_num(s.get(key)) for key, _ in METRICS.values()),
+                    *(_num(s.get(METRICS[m][0])) for m in shown_metrics(result)),
                     ", ".join(wins.get(c["name"], [])), why])
     return out
-
-
-HEADERS = ["candidate", "status", "ppl Δ %", "top-1", "prefill tok/s", "decode b1 tok/s", "decode b8 tok/s",
-           "fastest for", "why"]
 
 
 def machine_line(result: dict) -> str:
@@ -338,12 +387,14 @@ def markdown(result: dict) -> str:
              f"(--set {' '.join(result['overrides']) or 'none'}); ppl Δ and top-1 are pooled over its eval sets "
              "vs FP32. Speed: `python -m bench.run` medians" +
              (f" ({json.dumps(result['bench'].get('settings', {}))})." if result["bench"].get("settings") else
-              f" — {result['bench'].get('error') or result['bench'].get('skipped', 'not run')}."), "",
-             "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+              f" — {result['bench'].get('error') or result['bench'].get('skipped', 'not run')}.") +
+             (" Served: `python -m bench.serve` (`forge serve` of the candidate's package, tritonclient over HTTP), "
+              "output tok/s at the highest concurrency." if result.get("served") else ""), "",
+             "| " + " | ".join(headers(result)) + " |", "|" + "---|" * len(headers(result))]
     for cells in table_rows(result):
         lines.append("| " + " | ".join(x.replace("|", "\\|").replace("\n", " ") for x in cells) + " |")
     lines += ["", "Winners (fastest passing candidate):", ""]
-    for metric, w in result["winners"].items():
+    for metric, w in ((m, result["winners"][m]) for m in shown_metrics(result)):
         label = result["metrics"][metric]
         lines.append(f"- {metric} ({label}): " + (f"**{w['candidate']}** {w['value']:,.1f}" if w else "none"))
     lines += ["", "Overrides per candidate:", ""]
@@ -357,14 +408,14 @@ def render(result: dict, console) -> None:
     from rich.table import Table
     t = Table(title=escape(f"forge search {result['recipe']} — {machine_line(result)}"))
     colors = {PASSED: "green", FAILED: "red", SKIPPED: "yellow", INVALID: "red"}
-    for h in HEADERS:
+    for h in headers(result):
         t.add_column(h, no_wrap=h != "why", justify="right" if "tok/s" in h or h in ("ppl Δ %", "top-1") else "left")
     for cells in table_rows(result):
         cells = [escape(x) for x in cells]
         cells[1] = f"[{colors.get(cells[1], 'white')}]{cells[1]}"
         t.add_row(*cells)
     console.print(t)
-    for metric, w in result["winners"].items():
+    for metric, w in ((m, result["winners"][m]) for m in shown_metrics(result)):
         label = result["metrics"][metric]
         console.print(f"fastest for {metric} ({escape(label)}): " + (f"[bold]{escape(w['candidate'])}[/] "
                                                                      f"{w['value']:,.1f}" if w else "none"),

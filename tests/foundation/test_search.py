@@ -114,7 +114,7 @@ def test_search_gates_measures_and_names_the_fastest_passing_candidate(toy, caps
     assert measured[0]["quarter"] == rows["quarter"]["engine"]
     assert res["winners"] == {"prefill": {"candidate": "quarter", "value": 150.0},
                               "decode": {"candidate": "exact", "value": 30.0},
-                              "batch": {"candidate": "quarter", "value": 260.0}}
+                              "batch": {"candidate": "quarter", "value": 260.0}, "served": None}
     # the gate figures of each built candidate (toy: 4 of 7 values off by 1/12 at step 0.25, the values sum to 7)
     assert rows["exact"]["gates"]["ppl_delta_pct"] == 0.0 and rows["exact"]["gates"]["passed"] is True
     assert rows["quarter"]["gates"]["ppl_delta_pct"] == pytest.approx(100 * (4 / 12) / 7)
@@ -138,6 +138,7 @@ def test_search_gates_measures_and_names_the_fastest_passing_candidate(toy, caps
     md = (toy / "out" / "toy-search" / "search" / "search.md").read_text()
     assert "| exact | passed | +0.00 | 1.000 | 100.0 | 30.0 | 200.0 | decode |" in md
     assert "| coarse | failed |" in md and "- decode (decode tok/s (batch 1)): **exact** 30.0" in md
+    assert "served" not in md                # not measured without --serve: no column, no winner line
     assert f"ISA class {res['machine']['isa_class']}" in md
     # each candidate's own reports (forge build's), none of them a night in the run history
     rep = json.loads((toy / "out" / "toy-search" / "search" / "builds" / "toy-search.exact" / "report.json").read_text())
@@ -162,12 +163,34 @@ def test_a_second_search_builds_nothing(toy, capsys, monkeypatch, measured):
     assert code == 0 and RUNS == [], out
 
 
+def test_serve_measures_each_passing_candidate_as_it_was_built(toy, capsys, monkeypatch, measured):
+    served = []
+
+    def fake_serve(levels=(1, 4), requests=8):
+        def serve(recipe, sets, reports, work):
+            served.append((recipe, sets, reports))
+            name = sets[-1].removeprefix("name=") if sets[-1].startswith("name=") else recipe
+            assert (reports / Path(name).stem / "report.json").is_file()      # what bench.serve reads
+            return {"served_tok_s": 40.0 if "exact" in name else 55.0, "served_req_s": 1.0}
+        return serve
+    monkeypatch.setattr(search_mod, "serve_measure", fake_serve)
+    dest = toy / "served.yaml"
+    code, out, res = _search(capsys, monkeypatch, toy, "--serve", "--apply", dest, "--metric", "served")
+    assert code == 0, out
+    assert [s[1][-1] for s in served] == ["name=toy-search.exact", *QUARTER[-1:]]     # passing ones, as built
+    assert res["winners"]["served"] == {"candidate": "quarter", "value": 55.0}
+    assert "fastest for served (served output tok/s (tritonserver, HTTP)): quarter 55.0" in out
+    assert "| served tok/s |" in (toy / "out" / "toy-search" / "search" / "search.md").read_text()
+    assert "quarter (55.0)" in dest.read_text()
+
+
 def test_a_failing_candidate_is_never_the_winner():
     rows = [search_mod.Row("fast", "", [], status=search_mod.FAILED, speed={"prefill_b1": 1e9, "decode_b1": 1e9}),
             search_mod.Row("slow", "", [], status=search_mod.PASSED, speed={"prefill_b1": 1.0, "decode_b1": 2.0}),
             search_mod.Row("gone", "", [], status=search_mod.SKIPPED, speed={"prefill_b1": 1e9})]
     assert search_mod.winners(rows) == {"prefill": {"candidate": "slow", "value": 1.0},
-                                        "decode": {"candidate": "slow", "value": 2.0}, "batch": None}
+                                        "decode": {"candidate": "slow", "value": 2.0}, "batch": None,
+                                        "served": None}
     assert search_mod.winners(rows[:1]) == {m: None for m in search_mod.METRICS}
 
 
@@ -234,7 +257,8 @@ def test_apply_writes_a_recipe_that_resolves_to_the_winner(toy, capsys, monkeypa
                                  "coarse, accel"),
     (["--set", "quantize.options.stepp=1"], 2, "quantize.options.stepp"),
     (["--set", "build.toy.width=abc"], 2, "build.toy.width"),
-    (["--metric", "speed"], 2, "--metric speed: choose prefill, decode, batch"),
+    (["--metric", "speed"], 2, "--metric speed: choose prefill, decode, batch, served"),
+    (["--metric", "served"], 2, "--metric served: served throughput is measured with --serve; add it"),
     (["--apply", "x.txt"], 2, "--apply x.txt: give a recipe file ending in .yaml"),
     (["--reps", "0"], 2, "--reps 0: give 1 or more"),
 ])

@@ -221,6 +221,13 @@ class Search:
     serve: Callable | None = None      # serve_measure(): served throughput per passing candidate (--serve)
     rows: list[Row] = field(default_factory=list)
 
+    def _cache(self):
+        if self.cache is None:
+            from .cache import open_cache
+            opened = open_cache()
+            self.cache = lambda: opened
+        return self.cache()
+
     def _say(self, msg: str) -> None:
         if self.err is not None:
             self.err.print(msg, highlight=False)
@@ -249,7 +256,8 @@ class Search:
                 r.speed.update(served if "error" not in served else {"serve_error": served["error"]})
         from .host.cpu import cpu_facts
         result = {
-            "recipe": base.name, "recipe_path": base.path, "recipe_hash": base.hash, "target": base.build.target, "overrides": self.overrides,
+            "recipe": base.name, "recipe_path": base.path, "recipe_hash": base.hash, "target": base.build.target,
+            "overrides": self.overrides,
             "machine": {**cpu_facts(), **{k: v for k, v in (speed_info.get("machine") or {}).items()
                                           if k in ("cpu_model", "usable_cpus", "threads", "load_avg_at_start", "date")}},
             "bench": {k: speed_info[k] for k in ("settings", "results", "error") if k in speed_info}
@@ -282,7 +290,7 @@ class Search:
             self._say(f"[yellow]{cand.name}: invalid for this recipe:[/] {escape(row.reason)}")
             return row
         row.recipe, row.recipe_hash, row.resolved, row.sets = r.name, r.hash, r.display_dict(), list(sets)
-        runner = Runner(r, self.cache())
+        runner = Runner(r, self._cache())
         problems = runner.plan_problems()
         if problems:
             row.status, row.reason = INVALID, "; ".join(problems)
@@ -297,7 +305,7 @@ class Search:
         self._say(f"[bold]candidate {cand.name}[/] ({escape(r.name)})")
         builds = self.out / "builds"
         run = BuildRun(overrides=sets, from_stage=None, until=None, force=None, keep_going=False, report_dir=builds,
-                       cache=self.cache, verify=False, out=_Quiet(), err=self.err or _Quiet(), nightly=NoHistory())
+                       cache=self._cache, verify=False, out=_Quiet(), err=self.err or _Quiet(), nightly=NoHistory())
         run.local([self.recipe])
         rp = builds / r.name / "report.json"
         try:

@@ -215,7 +215,7 @@ def search(recipe: str,
            metric: str = typer.Option("decode", "--metric", help="the winner --apply writes: prefill, decode, batch "
                                       "or served"),
            serve: bool = typer.Option(False, "--serve", help="also serve each passing candidate with tritonserver "
-                                      "(bench.serve: HTTP, concurrency 1 and 4, 8 requests each; ~1 min a candidate)"),
+                                      "(bench.serve: HTTP, concurrency 1 and 4, 8 requests each; 15-30 s a SmolLM2 candidate here)"),
            cache_offline: bool = OfflineOpt):
     """Build every format RECIPE's target offers for this machine (each a cached, gated build), measure the passing
     ones with the bench and name the fastest for prefill, decode batch 1, decode batch 8 (and served, --serve)."""

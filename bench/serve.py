@@ -147,11 +147,11 @@ def built_payloads(recipe: str, reports: Path) -> dict[str, str] | str:
 
 
 def bench_recipe(recipe: str, levels: list[int], requests: int, protos: list[str], out: Path, port: int,
-                 reports: Path) -> dict:
+                 reports: Path, overrides: list[str] | None = None) -> dict:
     from pipeline.recipe import resolve
     from pipeline.triton.serve import free_port
 
-    r = resolve(recipe, [])
+    r = resolve(recipe, overrides or [])
     payloads = built_payloads(r.name, reports)
     if isinstance(payloads, str):
         return {"error": payloads}
@@ -196,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocols", default="http,grpc")
     ap.add_argument("--port", type=int, default=0, help="HTTP port of forge serve (gRPC = +1); 0: a free one")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
+    ap.add_argument("--set", action="append", default=[], dest="overrides", metavar="KEY=VALUE",
+                    help="a recipe override, as `forge build --set` (repeatable; applies to every recipe): the "
+                         "recipe as it was built (forge search's candidates)")
     ap.add_argument("--from-reports", type=Path, default=Path("out"), help="where `forge build --report-dir` wrote "
                     "each recipe's report.json (its engine and package are benched; default out)")
     a = ap.parse_args(argv)
@@ -215,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                "engines": {}}
     for recipe in a.recipes:
         try:
-            results["engines"][recipe] = bench_recipe(recipe, levels, a.requests, protos, a.out, a.port, a.from_reports)
+            results["engines"][recipe] = bench_recipe(recipe, levels, a.requests, protos, a.out, a.port, a.from_reports,
+                                                      a.overrides)
         except Exception as e:  # noqa: BLE001 -- one recipe's failure is recorded, the others still run
             results["engines"][recipe] = {"error": f"{type(e).__name__}: {e}"}
     results["machine"]["load_avg_at_end"] = os.getloadavg()

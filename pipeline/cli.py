@@ -197,6 +197,81 @@ def build(recipes: List[str] = typer.Argument(..., help="recipe names or paths (
     raise typer.Exit(exit_code(run.statuses.values()))
 
 
+# ------------------------------------------------------------------ search
+@app.command()
+def search(recipe: str,
+           candidate: Optional[List[str]] = typer.Option(None, "--candidate", help="build only this candidate "
+                                                         "(repeatable; default: all the target offers)"),
+           set_: Optional[List[str]] = SetOpt,
+           out: Optional[Path] = typer.Option(None, "--out", help="where search.json / search.md and the candidates' "
+                                              "reports go (default REPORT_DIR/RECIPE/search)"),
+           report_dir: Path = typer.Option(Path("out"), "--report-dir"),
+           no_bench: bool = typer.Option(False, "--no-bench", help="gates only: build and gate, measure nothing"),
+           quick: bool = typer.Option(False, "--quick", help="the bench's --quick (2 repetitions, 32 new tokens)"),
+           reps: Optional[int] = typer.Option(None, "--reps", help="bench repetitions (default the bench's: 3)"),
+           threads: Optional[int] = typer.Option(None, "--threads", help="threads per engine (default: all usable)"),
+           apply_to: Optional[Path] = typer.Option(None, "--apply", help="write a recipe (.yaml) that extends RECIPE "
+                                                   "with the winner's settings for --metric"),
+           metric: str = typer.Option("decode", "--metric", help="the winner --apply writes: prefill, decode, batch "
+                                      "or served"),
+           serve: bool = typer.Option(False, "--serve", help="also serve each passing candidate with tritonserver "
+                                      "(bench.serve: HTTP, concurrency 1 and 4, 8 requests each; 15-30 s a SmolLM2 candidate here)"),
+           cache_offline: bool = OfflineOpt):
+    """Build every format RECIPE's target offers for this machine (each a cached, gated build), measure the passing
+    ones with the bench and name the fastest for prefill, decode batch 1, decode batch 8 (and served, --serve)."""
+    from .report import report_dir_name
+    from . import search as search_mod
+    from .search import METRICS, PASSED, SKIPPED, INVALID, Search, apply as apply_winner, render
+    from .status import EXIT_INCOMPLETE
+    if metric not in METRICS:
+        raise UsageError(f"--metric {metric}: choose {', '.join(METRICS)}")
+    if apply_to is not None and apply_to.suffix not in (".yaml", ".yml"):
+        raise UsageError(f"--apply {apply_to}: give a recipe file ending in .yaml")
+    if metric == "served" and not serve:
+        raise UsageError("--metric served: served throughput is measured with --serve; add it")
+    if serve and no_bench:
+        raise UsageError("--serve with --no-bench: --no-bench measures nothing; drop one")
+    if apply_to is not None and no_bench:
+        raise UsageError("--apply with --no-bench: the winner is chosen on the bench's figures; drop --no-bench")
+    for flag, v in (("--reps", reps), ("--threads", threads)):
+        if v is not None and v < 1:
+            raise UsageError(f"{flag} {v}: give 1 or more")
+    opened: dict = {}
+
+    def cache():
+        if "cache" not in opened:
+            opened["cache"] = _open_cache(cache_offline)
+        return opened["cache"]
+
+    dest = out or report_dir / report_dir_name(recipe) / "search"
+    s = Search(recipe, list(set_ or []), dest, candidate,
+               None if no_bench else search_mod.bench_measure(quick, reps, threads), cache, err,
+               serve=search_mod.serve_measure() if serve else None)
+    if not no_bench:
+        from .search import BENCH, CHECKOUT
+        if not BENCH.is_file():
+            raise ForgeError(f"no bench/run.py in {CHECKOUT}: forge search measures with the checkout's bench; run "
+                             "it from a forge checkout, or pass --no-bench")
+    result = s.run()
+    render(result, console)
+    console.print(f"wrote {escape(str(dest / 'search.json'))} and search.md", highlight=False)
+    statuses = [c["status"] for c in result["candidates"]]
+    if apply_to is not None:
+        path, ext = apply_winner(result, metric, apply_to)
+        console.print(f"wrote {escape(str(path))} (extends {escape(ext)}): the winner for {metric}; build it with "
+                      f"`forge build {escape(str(path))}`", highlight=False)
+    if PASSED in statuses:
+        bench_failed = not no_bench and not any(result["winners"].values())
+        raise typer.Exit(EXIT_FAILED if bench_failed else 0)
+    if Status.FAILED in statuses:
+        raise typer.Exit(EXIT_FAILED)
+    if SKIPPED in statuses:
+        raise typer.Exit(EXIT_INCOMPLETE)
+    if statuses and all(x == INVALID for x in statuses):
+        raise typer.Exit(EXIT_BAD_INPUT)
+    raise typer.Exit(EXIT_FAILED)
+
+
 # ------------------------------------------------------------------ history
 class _HistoryGroup(TyperGroup):
     """`forge history [RECIPE...]` is `forge history show [RECIPE...]`; `diff` and `add-bench` are subcommands.

@@ -30,6 +30,16 @@ ENTRY_POINT_GROUP = "forge.targets"
 
 
 @dataclass(frozen=True)
+class Candidate:
+    """One format `forge search` builds for a recipe of this target: ``--set`` overrides applied on top of the
+    searched recipe (and the user's --set), e.g. ``quantize.algo=int4_wo``. Each candidate is built, gated by the
+    searched recipe's validate section and measured like any recipe (pipeline/search.py)."""
+    name: str                              # short, a recipe-name part: fp32, int8, int4, cuda-fp16
+    overrides: tuple[str, ...]
+    summary: str = ""
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     section: type                          # pydantic model of build.<name>
@@ -63,6 +73,9 @@ class Target:
     doctor: Callable[[dict], list[dict]] | None = None
     # the ranks one engine of a recipe runs as, (tp, pp): `forge doctor --recipe` places them on this host's GPUs
     ranks: Callable[[object], tuple[int, int]] | None = None
+    # the formats `forge search RECIPE` builds and measures for a recipe of this target (pipeline/search.py); one
+    # this host cannot run (a CUDA provider, a GPU stage) is listed as skipped with its plan's reason
+    candidates: tuple[Candidate, ...] = ()
 
     @property
     def algos(self) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ from ..ort.quantize import QUANTIZERS
 from ..stages.onnxruntime import OrtBuildStage, OrtEvaluate, OrtExport, OrtPackage, OrtQuantize, simulation_problems
 from ..stages.source import SourceStage
 from ..stages.validate import ValidateStage
-from ..target_registry import Target, register
+from ..target_registry import Candidate, Target, register
 
 
 class OrtBuild(Section):
@@ -67,6 +67,26 @@ def _all_checks(recipe) -> list[str]:
     return _checks(recipe) + _stream_checks(recipe) + simulation_problems(recipe)
 
 
+# What `forge search` builds for a recipe of this target (pipeline/search.py): the shipped recipes' formats, each as
+# --set overrides on top of the searched recipe (whose validate section gates them all). The CPU ones set the CPU
+# provider (a CUDA recipe searched on a CPU host still gets them); the CUDA ones are skipped where this onnxruntime
+# has no CUDA provider (the plan says why).
+_CPU = ("build.onnxruntime.provider=cpu", "build.onnxruntime.precision=fp32", "build.onnxruntime.cuda_graph=false")
+_CUDA = ("build.onnxruntime.provider=cuda", "build.onnxruntime.precision=fp16")
+_FP32 = ("quantize.method=none", "quantize.algo=none", "quantize.block_size=null", "quantize.options={}")
+_INT8 = ("quantize.method=ptq", "quantize.algo=int8", "quantize.block_size=null")
+_INT4 = ("quantize.method=ptq", "quantize.algo=int4_wo", "quantize.block_size=32", "quantize.options={method: offsets}")
+CANDIDATES = (
+    Candidate("fp32", (*_FP32, *_CPU), "FP32 graph, nothing quantized (smollm2-135m-fp32)"),
+    Candidate("int8", (*_INT8, "quantize.options={method: blockwise}", *_CPU),
+              "8-bit MatMulNBits after SmoothQuant, batch-invariant (smollm2-135m-int8, the default)"),
+    Candidate("int8-mixed", (*_INT8, "quantize.options={method: mixed}", *_CPU),
+              "dynamic INT8 MatMulInteger + blockwise down_proj/lm_head, SmoothQuant; not batch-invariant"),
+    Candidate("int4", (*_INT4, *_CPU), "weight-only INT4 MatMulNBits, block 32, offsets (smollm2-135m-int4)"),
+    Candidate("cuda-fp16", (*_FP32, *_CUDA), "fp16 graph on the CUDA provider (smollm2-135m-cuda-fp16)"),
+    Candidate("cuda-int4", (*_INT4, *_CUDA), "weight-only INT4 + fp16 on the CUDA provider (smollm2-135m-cuda-int4)"),
+)
+
 TARGET = register(Target(
     name="onnxruntime",
     section=OrtBuild,
@@ -81,4 +101,5 @@ TARGET = register(Target(
     simulated_reference=True,       # weight-only MatMulNBits grids (pipeline/eval/fake_quant.py)
     deploy=deploy.DEPLOY,           # a CPU engine (machine, ORT release, ISA class) or a CUDA-provider one
     doctor=deploy.doctor,
+    candidates=CANDIDATES,
 ))

@@ -160,7 +160,8 @@ FLOORS = (
     ("schema, cache, hand-off", ("pipeline.recipe", "pipeline.cache", "pipeline.remote_cache", "pipeline.triton")),
     ("stages and checks", ("pipeline.stages", "pipeline.doctor", "pipeline.report")),
     ("targets", ("pipeline.targets",)),
-    ("orchestration and history", ("pipeline.runner", "pipeline.ray_executor", "pipeline.build_run", "pipeline.history")),
+    ("orchestration and history", ("pipeline.runner", "pipeline.ray_executor", "pipeline.build_run", "pipeline.history",
+                                   "pipeline.search")),
     ("CLI", ("pipeline.cli",)),
 )
 

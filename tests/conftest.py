@@ -8,6 +8,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+# torch's log handler (torch._logging, set up by `import torch`) keeps the sys.stderr of the moment it is made: made
+# inside a capsys test, it later writes to that test's closed stream and prints "--- Logging error ---" with a
+# traceback into whichever test runs torch.onnx next (seen: tests/foundation/test_search.py then test_search_real.py)
+import torch  # noqa: E402,F401
 
 os.environ.setdefault("FORGE_PROGRESS", "0")
 # builds run by tests record their nights in a throw-away history, not the user's FORGE_HOME/history.sqlite

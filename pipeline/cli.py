@@ -221,12 +221,9 @@ def search(recipe: str,
     ones with the bench and name the fastest for prefill, decode batch 1, decode batch 8 (and served, --serve)."""
     from .report import report_dir_name
     from . import search as search_mod
-    from .search import METRICS, PASSED, SKIPPED, INVALID, Search, apply as apply_winner, render
+    from .search import PASSED, SKIPPED, INVALID, Search, apply as apply_winner, check_apply, render
     from .status import EXIT_INCOMPLETE
-    if metric not in METRICS:
-        raise UsageError(f"--metric {metric}: choose {', '.join(METRICS)}")
-    if apply_to is not None and apply_to.suffix not in (".yaml", ".yml"):
-        raise UsageError(f"--apply {apply_to}: give a recipe file ending in .yaml")
+    check_apply(metric, apply_to)
     if metric == "served" and not serve:
         raise UsageError("--metric served: served throughput is measured with --serve; add it")
     if serve and no_bench:
@@ -248,10 +245,7 @@ def search(recipe: str,
                None if no_bench else search_mod.bench_measure(quick, reps, threads), cache, err,
                serve=search_mod.serve_measure() if serve else None)
     if not no_bench:
-        from .search import BENCH, CHECKOUT
-        if not BENCH.is_file():
-            raise ForgeError(f"no bench/run.py in {CHECKOUT}: forge search measures with the checkout's bench; run "
-                             "it from a forge checkout, or pass --no-bench")
+        search_mod.require_bench()
     result = s.run()
     render(result, console)
     console.print(f"wrote {escape(str(dest / 'search.json'))} and search.md", highlight=False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from rich.console import Console
 from rich.markup import escape
 
 from .errors import ForgeError, RecipeError, UsageError
@@ -142,22 +143,32 @@ def _failure(report: dict) -> str:
 Measure = Callable[[dict, Path], dict]
 
 
+def require_bench() -> None:
+    """The bench is run from this checkout (pipeline/ never imports bench/): say so when it is not here."""
+    if not BENCH.is_file():
+        raise ForgeError(f"no {BENCH.relative_to(CHECKOUT)} next to pipeline/ ({CHECKOUT}): forge search measures "
+                         "with the checkout's bench; run it from a forge checkout, or pass --no-bench")
+
+
+def _checkout_env() -> dict:
+    """The environment of a bench subprocess: this checkout first on the path, no progress bars."""
+    return dict(os.environ, FORGE_PROGRESS="0",
+                PYTHONPATH=os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p))
+
+
 def bench_measure(quick: bool = True, reps: int | None = None, threads: int | None = None) -> Measure:
     """``measure({label: engine dir}, work dir) -> {"machine": {...}, "settings": {...}, "engines": {label: flat
     figures or {"error"}}}`` by ``python -m bench.run --engine LABEL=DIR ...`` (make bench's code) in this checkout."""
     def measure(engines: dict, work: Path) -> dict:
         from .history.bench import flat
-        if not BENCH.is_file():
-            raise ForgeError(f"no {BENCH.relative_to(CHECKOUT)} next to pipeline/ ({CHECKOUT}): forge search measures "
-                             "with the checkout's bench; run it from a forge checkout, or pass --no-bench")
+        require_bench()
         out = Path(work).resolve()       # the bench runs in the checkout
         out.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "bench.run", "--out", str(out), "--no-warm-rerun",
                *(["--quick"] if quick else []), *(["--reps", str(reps)] if reps else []),
                *(["--threads", str(threads)] if threads else []),
                *[a for label, d in engines.items() for a in ("--engine", f"{label}={d}")]]
-        env = dict(os.environ, FORGE_PROGRESS="0",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p))
+        env = _checkout_env()
         res_path = out / "results.json"
         res_path.unlink(missing_ok=True)
         tail: list[str] = []
@@ -189,8 +200,7 @@ def serve_measure(levels: tuple[int, ...] = (1, 4), requests: int = 8):
         cmd = [sys.executable, "-m", "bench.serve", recipe, *[a for x in sets for a in ("--set", x)],
                "--from-reports", str(Path(reports).resolve()), "--levels", ",".join(map(str, levels)),
                "--requests", str(requests), "--protocols", "http", "--out", str(out)]
-        env = dict(os.environ, FORGE_PROGRESS="0",
-                   PYTHONPATH=os.pathsep.join(p for p in (str(CHECKOUT), os.environ.get("PYTHONPATH", "")) if p))
+        env = _checkout_env()
         r = subprocess.run(cmd, cwd=str(CHECKOUT), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                            text=True)
         try:
@@ -305,7 +315,8 @@ class Search:
         self._say(f"[bold]candidate {cand.name}[/] ({escape(r.name)})")
         builds = self.out / "builds"
         run = BuildRun(overrides=sets, from_stage=None, until=None, force=None, keep_going=False, report_dir=builds,
-                       cache=self._cache, verify=False, out=_Quiet(), err=self.err or _Quiet(), nightly=NoHistory())
+                       cache=self._cache, verify=False, out=Console(quiet=True), err=self.err or Console(quiet=True),
+                       nightly=NoHistory())   # quiet out: no per-candidate summary table
         run.local([self.recipe])
         rp = builds / r.name / "report.json"
         try:
@@ -325,13 +336,6 @@ class Search:
         else:
             row.status, row.reason = FAILED, _failure(report)
         return row
-
-
-class _Quiet:
-    """A console that prints nothing (the per-candidate summary table of write_reports)."""
-
-    def print(self, *a, **k) -> None:
-        pass
 
 
 def winners(rows: list[Row]) -> dict:
@@ -412,7 +416,6 @@ def markdown(result: dict) -> str:
 
 
 def render(result: dict, console) -> None:
-    from rich.markup import escape
     from rich.table import Table
     t = Table(title=escape(f"forge search {result['recipe']} — {machine_line(result)}"))
     colors = {PASSED: "green", FAILED: "red", SKIPPED: "yellow", INVALID: "red"}
@@ -431,6 +434,14 @@ def render(result: dict, console) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- --apply
+def check_apply(metric: str, dest: Path | None) -> None:
+    """--metric and --apply as given: UsageError (exit 2) before anything is built."""
+    if metric not in METRICS:
+        raise UsageError(f"--metric {metric}: choose {', '.join(METRICS)}")
+    if dest is not None and Path(dest).suffix not in (".yaml", ".yml"):
+        raise UsageError(f"--apply {dest}: give a recipe file ending in .yaml")
+
+
 def _diff(base, want, where: str = ""):
     """What a child recipe writes so that deep-merging it onto ``base`` gives ``want``; raises KeyError(path) when
     ``want`` lacks a key ``base`` has (an ``extends`` cannot unset a key)."""
@@ -469,16 +480,13 @@ def apply(result: dict, metric: str, dest: Path) -> tuple[Path, str]:
     import yaml
 
     from .recipe import recipe_path, resolve
-    if metric not in METRICS:
-        raise UsageError(f"--metric {metric}: choose {', '.join(METRICS)}")
+    check_apply(metric, dest)
     w = result["winners"].get(metric)
     if not w:
         raise ForgeError(f"no passing candidate has a {METRICS[metric][1]} figure: nothing to apply (see the table)")
     row = next(c for c in result["candidates"] if c["name"] == w["candidate"])
     want = resolve(result["recipe_path"], [*row["overrides"], *result["overrides"]]).display_dict()
     dest = Path(dest)
-    if dest.suffix not in (".yaml", ".yml"):
-        raise UsageError(f"--apply {dest}: give a .yaml file (a recipe file)")
     for parent in _chain(recipe_path(result["recipe_path"])):
         base = resolve(str(parent)).display_dict()
         try:

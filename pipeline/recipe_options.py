@@ -108,7 +108,7 @@ class OrtInt4Options(OrtOptions):
         "those per-block fits; offsets: each block's min as scale x integer zero point plus the float rest, carried "
         "as 4-bit extra input columns [x, blocksum(x)] (fit and gptq read quantize.calibration)"))
     block_size: BlockSize = Field(32, description="weights per scale along the input dim (written as quantize.block_size)")
-    lm_head_bits: Literal[4, 8] = Field(8, description="the untied lm_head as 8-bit blockwise, or 4-bit like the rest")
+    lm_head_bits: Literal[4, 8] = Field(8, description="the lm_head (tied to the embedding or not) as 8-bit blockwise, or 4-bit like the rest")
     symmetric: bool = Field(False, description="rtn: symmetric int4 (the 8-bit lm_head stays symmetric unless this is set)")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(
         "rtn, fit, gptq: MatMulNBits compute type (4 = int8 activations per block, MLAS's fast kernels)"))

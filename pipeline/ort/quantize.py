@@ -547,12 +547,12 @@ def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_he
              act: dict[str, dict] | None = None) -> dict:
     """Weight-only INT4 (MatMulNBits). ``options.method``: ``hqq`` (default; ORT's half-quadratic quantizer, float
     zero points), ``rtn`` (round-to-nearest, integer zero point), ``fit`` / ``gptq`` (integer zero points fitted to
-    calibration data: :func:`_int4_fitted`). The untied lm_head stays 8-bit blockwise (``options.lm_head_bits``: 8 or
-    4): measured on SmolLM2, 4-bit lm_head alone costs ~15 % perplexity."""
+    calibration data: :func:`_int4_fitted`). ``lm_head``: the lm_head's node names (tied or not); it is quantized as
+    :func:`int4_lm_head_grid` says (``options.lm_head_bits``)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     method, block = o.method, o.block_size
-    lm8 = [n for n in lm_head if n not in excluded] if o.lm_head_bits == 8 else []
+    lm8 = [n for n in lm_head if n not in excluded] if int4_lm_head_grid(o) else []
     if o.bias_correction and method not in INT4_CALIBRATED:
         raise ForgeError(f"quantize.options.bias_correction applies to methods {sorted(INT4_CALIBRATED)} (it reads "
                          f"calibration data), not {method}: drop it or pick one of those methods")
@@ -586,24 +586,31 @@ def _lm_head8_symmetric(o: OrtInt4Options) -> bool:
     return o.symmetric if "symmetric" in o.model_fields_set else True
 
 
-def weight_grid(algo: str, options=None, *, tied_lm_head: bool, scale_dtype: str = "float32") -> dict:
+def int4_lm_head_grid(o: OrtInt4Options) -> dict | None:
+    """int4_wo's lm_head where it differs from the other weights, the one home of this rule (the whole-graph and
+    the streaming quantizers and the simulation read it): 8-bit blockwise when ``lm_head_bits`` is 8 (its default;
+    4-bit costs ~15 % perplexity on SmolLM2), tied to the embedding or not; None when it is 4 (the 4-bit grid)."""
+    if o.lm_head_bits != 8:
+        return None
+    return {"bits": 8, "block": o.block_size, "symmetric": _lm_head8_symmetric(o)}
+
+
+def weight_grid(algo: str, options=None, *, scale_dtype: str = "float32") -> dict:
     """The weights' grids :func:`quantize_onnx` writes for ``algo`` / ``options``, as the spec the torch simulation
     reads (pipeline/eval/fake_quant.py ``simulate_model``): ``linear`` (bits, block, symmetric) for every weight
     MatMul, ``lm_head`` where it differs, ``embedding``, ``exclude`` (module-name patterns) and ``scale_dtype``
     (the scales' type in the engine's graph: float16 after the CUDA build's fp16 conversion).
 
-    ``tied_lm_head``: the model ties lm_head to the embedding. int4_wo's 8-bit lm_head applies to a tied lm_head
-    only, the one :func:`fold_weight_transposes` unties: an untied lm_head (Qwen2.5-7B) is a weight MatMul like the
-    others and gets the 4-bit grid. Only the round-to-nearest grids have a closed form: ForgeError (exit 2, naming
-    the key) for HQQ, dynamic or mixed INT8 (activation scales over the batch), or SmoothQuant (rescaled weights)."""
+    int4_wo's lm_head grid: :func:`int4_lm_head_grid`, tied or not. Only the round-to-nearest grids have a closed
+    form: ForgeError (exit 2, naming the key) for HQQ, dynamic or mixed INT8 (activation scales over the batch), or
+    SmoothQuant (rescaled weights)."""
     o = typed_options(algo, options)
     why = "validate.reference: simulated"
     if algo == "int4_wo":
         if o.method != "rtn":
             raise ForgeError(f"{why} needs quantize.options.method: rtn for int4_wo (HQQ's optimised zero points "
                              f"have no closed form to simulate); got {o.method!r}")
-        lm = {"bits": 8, "block": o.block_size, "symmetric": _lm_head8_symmetric(o)} \
-            if tied_lm_head and o.lm_head_bits == 8 else None
+        lm = int4_lm_head_grid(o)
         return {"algo": algo, "linear": {"bits": 4, "block": o.block_size, "symmetric": o.symmetric},
                 "lm_head": lm, "embedding": None, "exclude": list(o.exclude), "scale_dtype": scale_dtype}
     if algo == "int8":
@@ -696,7 +703,9 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic or blockwise")
         else:
-            info = _int4_wo(model, out_dir, o, excluded, untied, act)
+            # the lm_head: the one fold_weight_transposes untied from the embedding, or the model's own
+            lm_head = untied + [n.name for n, _ in nodes if module_name(n) == "lm_head" and n.name not in untied]
+            info = _int4_wo(model, out_dir, o, excluded, lm_head, act)
         info["excluded_nodes"] = excluded
         info["quantized_matmuls"] = len(nodes) - len(excluded)
     copy_side_files(fp32_dir, out_dir)

@@ -68,17 +68,20 @@ def _matches(node, patterns) -> bool:
 
 def _plan(algo: str, o, nodes, inits) -> tuple[dict[str, dict], list[str]]:
     """node name -> how its weight is quantized ({bits, block, sym, acc, hqq}); and the excluded node names."""
+    from .quantize import int4_lm_head_grid
+
     mm = [n for n in nodes if n.op_type == "MatMul" and n.input[1] in inits]
     excluded = [n.name for n in mm if _matches(n, list(o.exclude))]
+    lm8 = int4_lm_head_grid(o) if algo == "int4_wo" else None
     plan = {}
     for n in mm:
         if n.name in excluded:
             continue
         if algo == "int8":
             plan[n.name] = {"bits": 8, "block": o.block_size, "sym": o.symmetric, "acc": o.accuracy_level, "hqq": False}
-        elif n.name == "lm_head" and o.lm_head_bits == 8:
-            sym = o.symmetric if "symmetric" in o.model_fields_set else True   # as pipeline/ort/quantize.py
-            plan[n.name] = {"bits": 8, "block": o.block_size, "sym": sym, "acc": o.accuracy_level, "hqq": False}
+        elif n.name == "lm_head" and lm8:
+            plan[n.name] = {"bits": 8, "block": lm8["block"], "sym": lm8["symmetric"], "acc": o.accuracy_level,
+                            "hqq": False}
         elif o.method == "rtn":
             plan[n.name] = {"bits": 4, "block": o.block_size, "sym": o.symmetric, "acc": o.accuracy_level, "hqq": False}
         elif o.method == "hqq":

@@ -132,13 +132,13 @@ def ort_calibrates(q) -> bool:
     return q.algo == "int8"
 
 
-def simulation_spec(r, tied_lm_head: bool) -> dict | None:
+def simulation_spec(r) -> dict | None:
     """``validate.reference: simulated``: the grids the quantize stage writes (pipeline.ort.quantize.weight_grid),
     with the scales' type the built engine holds (fp16 after the CUDA build's conversion); None for fp32."""
     if r.validate_.reference != "simulated":
         return None
     from ..ort.quantize import weight_grid
-    return weight_grid(r.quantize.algo, ort_options(r.quantize), tied_lm_head=tied_lm_head,
+    return weight_grid(r.quantize.algo, ort_options(r.quantize),
                        scale_dtype="float16" if r.build.onnxruntime.precision == "fp16" else "float32")
 
 
@@ -146,7 +146,7 @@ def simulation_problems(r) -> list[str]:
     """A recipe that asks for the simulated reference quantizes on a grid the simulation reproduces."""
     from ..errors import ForgeError
     try:
-        simulation_spec(r, tied_lm_head=False)
+        simulation_spec(r)
     except ForgeError as e:
         return [str(e)]
     return []
@@ -155,7 +155,7 @@ def simulation_problems(r) -> list[str]:
 class OrtQuantize(Stage):
     """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
-    version = "5"   # 5: the engine metadata records batch_invariant (issue 28); 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
+    version = "6"   # 6: int4_wo's lm_head_bits applies to an untied lm_head too (one rule for both quantizers and the simulation); 5: the engine metadata records batch_invariant (issue 28); 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
 
@@ -269,11 +269,11 @@ class OrtEvaluate(CudaAware, EvaluateBase):
         if on_cuda(r):   # CPU recipes keep their keys
             cfg["provider"], cfg["cuda_graph"] = "cuda", r.build.onnxruntime.cuda_graph
         if r.validate_.reference == "simulated":   # fp32 recipes keep their keys
-            cfg["reference"] = {"kind": "simulated", "grid": simulation_spec(r, tied_lm_head=False)}
+            cfg["reference"] = {"kind": "simulated", "grid": simulation_spec(r)}
         return cfg
 
     def simulation(self, ctx, model_config) -> dict | None:
-        spec = simulation_spec(ctx.recipe, bool(getattr(model_config, "tie_word_embeddings", False)))
+        spec = simulation_spec(ctx.recipe)
         if spec is None:
             return None
         # the engine's own record of what the quantizer did must be what is simulated

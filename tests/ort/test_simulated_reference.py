@@ -35,7 +35,7 @@ def _engine_vs(tiny_llama_dir, tiny_onnx_dir, tmp_path, algo: str, opts: dict) -
     cand = torch.as_tensor(np.asarray(OrtEngine(tmp_path / "q", threads=2).logits(IDS.numpy())))
     ref = TorchReference(tiny_llama_dir)
     fp32 = _figures(ref.logits(IDS), cand)
-    spec = weight_grid(algo, opts, tied_lm_head=bool(ref.config.tie_word_embeddings))
+    spec = weight_grid(algo, opts)
     spec["expect_quantized"] = info["quantized_matmuls"]
     done = ref.simulate(spec)
     return fp32, _figures(ref.logits(IDS), cand), done
@@ -78,7 +78,7 @@ def test_int8_weight_only_engine_is_its_simulation(tiny_llama_dir, tiny_onnx_dir
 def test_a_simulation_that_misses_the_engine_is_refused(tiny_llama_dir, tiny_onnx_dir, tmp_path):
     opts = {"method": "rtn", "symmetric": True, "block_size": 32}
     ref = TorchReference(tiny_llama_dir)
-    spec = weight_grid("int4_wo", opts, tied_lm_head=True) | {"expect_quantized": 99}
+    spec = weight_grid("int4_wo", opts) | {"expect_quantized": 99}
     with pytest.raises(ForgeError, match="15 linear layers put on the grid, but the engine's quantizer quantized 99"):
         ref.simulate(spec)
 
@@ -91,19 +91,22 @@ def test_a_simulation_that_misses_the_engine_is_refused(tiny_llama_dir, tiny_onn
 ])
 def test_grids_without_a_closed_form_are_refused(algo, opts, expect):
     with pytest.raises(ForgeError, match="validate.reference: simulated") as e:
-        weight_grid(algo, opts, tied_lm_head=False)
+        weight_grid(algo, opts)
     assert expect in str(e.value)
 
 
-def test_untied_lm_head_is_4_bit_like_the_rest():
-    """pipeline/ort/quantize.py keeps 8 bits for the lm_head it unties from a tied embedding only; an untied
-    lm_head (Qwen2.5-7B) is a weight MatMul like the others."""
-    g = weight_grid("int4_wo", {"method": "rtn", "symmetric": True, "block_size": 128}, tied_lm_head=False,
-                    scale_dtype="float16")
-    assert g["lm_head"] is None and g["linear"] == {"bits": 4, "block": 128, "symmetric": True}
-    assert g["scale_dtype"] == "float16"
-    tied = weight_grid("int4_wo", {"method": "rtn", "block_size": 64}, tied_lm_head=True)
-    assert tied["lm_head"] == {"bits": 8, "block": 64, "symmetric": True}      # int4 asym, lm_head sym (default)
+def test_lm_head_grid_follows_lm_head_bits_tied_or_not():
+    """int4_wo's lm_head grid is what ``lm_head_bits`` says (8 by default), whether the model ties it or not: the
+    28-layer GPU run (docs/gpu-runs.md) found the streamed quantizer giving Qwen2.5-7B's untied lm_head 8 bits while
+    this grid said 4, and the gate refused the engine. Both quantizers' graphs are held to it in
+    tests/ort/test_stream_export.py."""
+    g = weight_grid("int4_wo", {"method": "rtn", "symmetric": True, "block_size": 128}, scale_dtype="float16")
+    assert g["lm_head"] == {"bits": 8, "block": 128, "symmetric": True}
+    assert g["linear"] == {"bits": 4, "block": 128, "symmetric": True} and g["scale_dtype"] == "float16"
+    asym = weight_grid("int4_wo", {"method": "rtn", "block_size": 64})
+    assert asym["lm_head"] == {"bits": 8, "block": 64, "symmetric": True}      # int4 asym, lm_head sym (default)
+    four = weight_grid("int4_wo", {"method": "rtn", "block_size": 64, "lm_head_bits": 4})
+    assert four["lm_head"] is None and four["linear"]["bits"] == 4
 
 
 @pytest.mark.integration

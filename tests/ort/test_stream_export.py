@@ -213,14 +213,15 @@ def test_load_causal_lm_equals_from_pretrained(tiny_llama_dir, tmp_path):
     ("int4_wo", {"method": "rtn", "symmetric": True, "block_size": 16, "lm_head_bits": 4}),
     ("int4_wo", {"method": "rtn", "symmetric": False, "block_size": 32, "lm_head_bits": 4}),
     ("int4_wo", {"method": "hqq", "block_size": 16, "lm_head_bits": 4}),
+    ("int4_wo", {"method": "rtn", "symmetric": True, "block_size": 16}),     # lm_head_bits 8, the default
     ("int8", {"method": "blockwise", "smoothquant_alpha": None, "embedding": "fp32", "block_size": 32,
               "accuracy_level": 2}),
 ])
 def test_stream_quantize_equals_the_whole_graph_quantizer(algo, options, qwen_fp32_export, qwen_stream, tmp_path):
     """ORT's MatMulNBitsQuantizer on the whole fp32 graph, then the float16 tool (today's path), against the same
     routines applied weight by weight to the streamed fp16 graph: bf16 weights are exact in both, so the engines'
-    logits are bitwise equal. (lm_head_bits 4: today's path keeps an untied lm_head at 4 bits whatever the option
-    says, see pipeline/ort/quantize.py fold_weight_transposes; the streamed quantizer reads the option.)"""
+    logits are bitwise equal, the untied lm_head on the grid ``lm_head_bits`` gives it in both (the whole-graph
+    path once kept an untied lm_head at 4 bits whatever the option said)."""
     from pipeline.ort.fp16 import convert_fp16
     from pipeline.ort.quantize import quantize_onnx
     from pipeline.ort.stream_quantize import quantize_stream
@@ -232,6 +233,31 @@ def test_stream_quantize_equals_the_whole_graph_quantizer(algo, options, qwen_fp
     assert meta["quantization"]["algo"] == algo and meta["quantization"]["quantized_matmuls"] == 2 * 5 + 1
     assert meta["batch_invariant"] is True and meta["dtype"] == "fp16" and m["streamed"] is True
     assert 0 < m["size_ratio"] < 0.5
+
+
+@pytest.mark.parametrize("lm_head_bits", [8, 4])
+def test_both_quantizers_give_the_untied_lm_head_the_simulated_grid(lm_head_bits, qwen_fp32_export, qwen_stream,
+                                                                     tmp_path):
+    """The grid validate.reference: simulated puts the torch model on (weight_grid) is the one both quantizers
+    write for an untied lm_head (Qwen2.5's shape): the 28-layer GPU run's gate refused an engine whose streamed
+    lm_head was 8-bit while the grid said 4."""
+    import onnx
+    from pipeline.ort.fp16 import convert_fp16
+    from pipeline.ort.quantize import quantize_onnx, weight_grid
+    from pipeline.ort.stream_quantize import quantize_stream
+    opts = {"method": "rtn", "symmetric": True, "block_size": 16, "lm_head_bits": lm_head_bits}
+    want = (weight_grid("int4_wo", opts)["lm_head"] or {"bits": 4})["bits"]
+    assert want == lm_head_bits
+    quantize_onnx(qwen_fp32_export, tmp_path / "q32", algo="int4_wo", options=opts)
+    convert_fp16(tmp_path / "q32", tmp_path / "old")
+    quantize_stream(qwen_stream[0], tmp_path / "new", algo="int4_wo", options=opts)
+    for d in ("old", "new"):
+        g = onnx.load(str(tmp_path / d / "model.onnx"), load_external_data=False).graph
+        nb = [n for n in g.node if n.op_type == "MatMulNBits"]
+        bits = sorted({a.name: a.i for a in n.attribute}["bits"] for n in nb)
+        assert bits.count(8) == (1 if want == 8 else 0) and bits.count(4) == len(nb) - bits.count(8), d
+        recorded = json.loads((tmp_path / d / "forge_ort.json").read_text())["quantization"]
+        assert bool(recorded.get("lm_head")) == (want == 8), d
 
 
 def test_stream_quantize_lm_head_bits_and_exclusions(qwen_stream, tmp_path):

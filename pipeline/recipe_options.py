@@ -72,15 +72,21 @@ class OrtInt8Options(OrtOptions):
     (batch-invariant, the most accurate on every eval set, slower prefill on AVX2: docs/quantization.md). The option
     default stays ``mixed`` for recipes that ask for it by leaving ``method`` out.
     """
-    method: Literal["mixed", "dynamic", "blockwise"] = Field("mixed", description=(
+    method: Literal["mixed", "dynamic", "blockwise", "per_token"] = Field("mixed", description=(
         "dynamic: per-channel int8 weights, per-tensor int8 activations at run time (MatMulInteger); blockwise: "
-        "MatMulNBits 8-bit (activations per token and block); mixed: blockwise for `blockwise`, dynamic elsewhere"))
+        "MatMulNBits 8-bit (activations per token and block); mixed: blockwise for `blockwise`, dynamic elsewhere; "
+        "per_token: per-channel int8 weights, int8 activations with a scale per token at run time (MatMulInteger, "
+        "batch-invariant; SmoothQuant on every input it can fold unless smoothquant_only is set)"))
+    prefill: Literal["same", "per_token"] = Field("same", description=(
+        "blockwise: the graph prompts run on -- same (the one graph) or per_token (a second graph, prefill.onnx, "
+        "per-token INT8 with SmoothQuant: fast at M > 1 where MatMulNBits is not; decode keeps MatMulNBits)"))
     blockwise: list[Pattern] = Field(default_factory=lambda: ["*.mlp.down_proj", "lm_head"], max_length=1000,
                                      description="mixed: fnmatch patterns of the MatMuls quantized blockwise")
     smoothquant_alpha: Optional[float] = Field(0.5, ge=0, le=1, description=(
         "SmoothQuant migration strength folded into the RMSNorm weights (needs calibration); null: no smoothing"))
     smoothquant_only: list[Pattern] = Field(default_factory=lambda: ["*.q_proj", "*.gate_proj"], max_length=1000,
-                                            description="smooth only the inputs of these MatMuls (and their siblings)")
+                                            description="smooth only the inputs of these MatMuls (and their "
+                                                        "siblings); per_token's default: every input")
     embedding: Literal["int8", "fp32"] = Field("int8", description="the embedding Gather as int8 per row, or fp32")
     per_channel: bool = Field(True, description="dynamic: per-channel (else per-tensor) weight scales")
     weight_type: Literal["int8", "uint8"] = Field("int8", description=(

@@ -153,19 +153,24 @@ class _BoundKV:
     layout = "shared"
     batch = capacity = width = 0
     lengths: np.ndarray
-    _io = None
+    _ios: dict | None = None       # session id -> the IO binding of this cache on it
     static: dict | None = None    # fixed-shape decode buffers and binding of this cache (OrtEngine.decode_static)
 
     def bind_kv(self, io: ort.IOBinding, engine: "OrtEngine") -> None:
         raise NotImplementedError
 
-    def binding(self, engine: "OrtEngine") -> ort.IOBinding:
-        """The IO binding of this cache (shared layout), made once: past and present of each layer bound to the
-        same buffer; ids, mask and logits are rebound per call."""
-        if self._io is None:
-            self._io = engine.session.io_binding()
-            self.bind_kv(self._io, engine)
-        return self._io
+    def binding(self, engine: "OrtEngine", session: ort.InferenceSession | None = None) -> ort.IOBinding:
+        """The IO binding of this cache (shared layout) on ``session`` (the engine's decode graph by default; its
+        prompt graph, when it has one, for a prefill), made once per session: past and present of each layer bound
+        to the same buffer; ids, mask and logits are rebound per call."""
+        session = session or engine.session
+        if self._ios is None:
+            self._ios = {}
+        io = self._ios.get(id(session))
+        if io is None:
+            io = self._ios[id(session)] = session.io_binding()
+            self.bind_kv(io, engine)
+        return io
 
     def reset(self) -> None:
         self.lengths[:] = 0
@@ -261,8 +266,10 @@ class OrtEngine:
 
     def __init__(self, model_dir: str | os.PathLike, threads: int = 0, *, providers: Sequence[str] | None = None,
                  device: str = "cpu", model_file: str | None = None, level: str = "all", cuda_graph: bool = False,
-                 static_decode: bool | None = None, device_id: int = 0, cpu_arena: bool = True):
-        """``cpu_arena`` False: host buffers are allocated and freed per run instead of kept in ONNX Runtime's arena,
+                 static_decode: bool | None = None, device_id: int = 0, cpu_arena: bool = True,
+                 prefill_graph: bool = True):
+        """``prefill_graph`` False: prompts run on the decode graph even when the engine has a prompt graph
+        (``prefill_model_file`` in its metadata), to check that graph alone. ``cpu_arena`` False: host buffers are allocated and freed per run instead of kept in ONNX Runtime's arena,
         whose memory outlives the session (measured: 3.1 GB kept after a one-shot run of a 2.6 GB fp16 graph on the
         CPU provider). For engines that run once (checks) and must give their memory back."""
         self.model_dir = Path(model_dir)
@@ -296,6 +303,12 @@ class OrtEngine:
         else:
             self._providers = providers
         self.session = inference_session(str(self.model_path), self.options, providers)
+        # quantize.options.prefill: per_token -- a second graph for prompts (a call on an empty cache), where its
+        # integer GEMM is fast and MatMulNBits is not; decode steps stay on the first. Which graph a row runs on
+        # depends on its own phase only, never on its batch-mates: batch invariance holds per graph.
+        prefill_file = self.meta.get("prefill_model_file") if prefill_graph and model_file is None else None
+        self.prefill_session = inference_session(str(self.model_dir / prefill_file), self.options, providers) \
+            if prefill_file else None
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))
@@ -378,8 +391,10 @@ class OrtEngine:
         (``_gather_rows``)."""
         B, T = ids.shape
         new_len = cache.lengths + lengths
+        session = self.prefill_session if self.prefill_session is not None and cache.width == 0 else self.session
         if cache.layout == "shared":
-            io = cache.binding(self)   # KV buffers stay bound across steps: only ids, mask and logits are rebound
+            # KV buffers stay bound across steps: only ids, mask and logits are rebound
+            io = cache.binding(self, session)
             # a prefill is as wide as its ids (GroupQueryAttention's first-prompt case: T == total); each later
             # call adds T columns, so row b's mask is len_b + t ones, then zeros
             width = T if cache.width == 0 else cache.width + T
@@ -391,7 +406,7 @@ class OrtEngine:
             io.bind_cpu_input("attention_mask", mask)
             cache.width = width
         else:
-            io = self.session.io_binding()
+            io = session.io_binding()
             valid = (np.arange(T)[None, :] < lengths[:, None]).astype(np.int64)
             mask = np.concatenate([cache.mask, valid], 1)
             pos = cache.lengths[:, None] + np.arange(T)[None, :]
@@ -408,7 +423,7 @@ class OrtEngine:
             io.bind_ortvalue_output("logits", logits_out[0])
         else:
             io.bind_output("logits", self.device if on_device else "cpu", self.device_id if on_device else 0)
-        self.session.run_with_iobinding(io, self._prefill_opts)
+        session.run_with_iobinding(io, self._prefill_opts)
         outs = io.get_outputs()   # in bind order: presents, then logits
         if cache.layout == "concat":
             cache.values = outs[:-1]

@@ -66,6 +66,7 @@ INT8 = OrtInt8Options()
 INT8_DEFAULTS = INT8.model_dump(include={"method", "blockwise", "smoothquant_alpha", "smoothquant_only", "weight_type",
                                          "reduce_range", "per_channel", "weight_symmetric"})
 STATS_FILE = "quant_stats.json"
+PREFILL_FILE = "prefill.onnx"     # quantize.options.prefill: per_token -- the prompt's graph
 
 
 # ---------------------------------------------------------------------------------------------- graph helpers
@@ -79,16 +80,49 @@ def _load(model_dir: Path):
     return onnx.load(str(path), load_external_data=True)
 
 
-def _save(model, out_dir: Path) -> Path:
+def _save(model, out_dir: Path, name: str = MODEL_FILE) -> Path:
     import onnx
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / MODEL_FILE
-    for f in (path, out_dir / (MODEL_FILE + ".data")):
+    path = out_dir / name
+    for f in (path, out_dir / (name + ".data")):
         f.unlink(missing_ok=True)
     onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=MODEL_FILE + ".data", size_threshold=1024)
+                    location=name + ".data", size_threshold=1024)
     return path
+
+
+def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict | None, meta: dict) -> dict:
+    """``prefill: per_token``: the prompt's graph (:data:`PREFILL_FILE`) beside the blockwise decode graph, from the
+    same FP32 export and calibration: SmoothQuant on every input it can fold (``smoothquant_alpha``), then every
+    weight MatMul not excluded per token (pipeline/ort/per_token.py). MatMulNBits is fast at M = 1 and not at a
+    prompt's M (docs/quantization.md); the engine runs a prompt on an empty cache here and decode steps on the
+    other graph (pipeline/ort/engine.py)."""
+    from .per_token import SESSION_CONFIG, per_token_int8
+
+    if o.method != "blockwise":
+        raise ForgeError(f"quantize.options.prefill: per_token adds a prompt graph to method blockwise, not "
+                         f"{o.method!r}; use method: blockwise, or method: per_token for one per-token graph")
+    alpha = o.smoothquant_alpha if act is not None or "smoothquant_alpha" in o.model_fields_set else None
+    if alpha is not None and act is None:
+        raise ForgeError("quantize.options.prefill: per_token smooths with calibrated ranges: set "
+                         "quantize.calibration, or smoothquant_alpha: null")
+    model = _load(fp32_dir)
+    fold_weight_transposes(model)
+    _prune_unused_initializers(model)
+    if o.embedding == "int8":
+        quantize_embedding_int8(model, meta["vocab_size"])
+        _prune_unused_initializers(model)
+    smooth = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()}, float(alpha)) \
+        if alpha is not None else {}
+    nodes = weight_matmuls(model)
+    done = per_token_int8(model, [n.name for n, _ in nodes if not _matches(n, list(o.exclude))], weight_bits=8)
+    _save(model, out_dir, PREFILL_FILE)
+    meta["prefill_model_file"] = PREFILL_FILE
+    meta["ort_session_config"] = {**(meta.get("ort_session_config") or {}), **SESSION_CONFIG}
+    return {"file": PREFILL_FILE, "method": "per_token", "weights": "int8 per-channel symmetric",
+            "activations": "int8 per token (a scale per row), computed at run time", "smoothed_inputs": len(smooth),
+            **done}
 
 
 def _inits(model) -> dict:
@@ -668,8 +702,12 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             if calib_windows is None:
                 raise ForgeError("quantize.options.smoothquant_alpha needs calibration data "
                                  "(quantize.calibration); set it or drop smoothquant_alpha")
+            # per_token quantizes every input per token: outlier channels hurt it everywhere (down_proj's included,
+            # folded into up_proj), so it smooths every input unless told otherwise
+            only = None if o.method == "per_token" and "smoothquant_only" not in o.model_fields_set \
+                else o.smoothquant_only
             stats["smoothquant"] = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()},
-                                               float(alpha), only=o.smoothquant_only)
+                                               float(alpha), only=only)
         stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         emb = None
         if algo == "int8" and o.embedding == "int8":
@@ -678,6 +716,9 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
         stats["embedding"] = emb
         if algo == "int8":
             method = o.method
+            if o.prefill != "same" and method != "blockwise":
+                raise ForgeError(f"quantize.options.prefill: {o.prefill} adds a prompt graph to method blockwise, "
+                                 f"not {method!r}; use method: blockwise, or drop prefill")
             if method == "dynamic":
                 info = int8_dynamic(model, out_dir, o, excluded)
             elif method == "mixed":
@@ -700,8 +741,19 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                 info = _nbits(model, out_dir, excluded, bits=8, block=o.block_size, sym=o.symmetric,
                               acc=o.accuracy_level)
                 info["method"] = "blockwise"
+                if o.prefill == "per_token":
+                    del model   # the prompt graph is made from the export again: one fp32 model in memory
+                    info["prefill"] = _prefill_graph(fp32_dir, out_dir, o, act, meta)
+            elif method == "per_token":
+                from .per_token import SESSION_CONFIG, per_token_int8
+                done = per_token_int8(model, [n.name for n, _ in nodes if n.name not in excluded], weight_bits=8)
+                _save(model, out_dir)
+                info = {"method": "per_token", "weights": "int8 per-channel symmetric",
+                        "activations": "int8 per token (a scale per row), computed at run time", **done}
+                meta["ort_session_config"] = {**(meta.get("ort_session_config") or {}), **SESSION_CONFIG}
             else:
-                raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use dynamic or blockwise")
+                raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use blockwise, "
+                                 "per_token, mixed or dynamic")
         else:
             # the lm_head: the one fold_weight_transposes untied from the embedding, or the model's own
             lm_head = untied + [n.name for n, _ in nodes if module_name(n) == "lm_head" and n.name not in untied]
@@ -750,7 +802,7 @@ def dynamic_int8_weights(quantization: dict) -> str | None:
 
 
 def _dynamic_weights(opts: dict) -> str | None:
-    if opts.get("method") == "blockwise":
+    if opts.get("method") in ("blockwise", "per_token"):   # no activation scale over the batch
         return None
     if opts.get("weight_type", "int8") == "uint8":
         return "uint8"

@@ -49,11 +49,12 @@ def streamable(algo: str, o) -> str | None:
     if algo == "int8":
         bad = [f"{k} = {getattr(o, k)!r}" for k, ok in (("method", o.method == "blockwise"),
                                                         ("smoothquant_alpha", o.smoothquant_alpha is None),
-                                                        ("embedding", o.embedding == "fp32")) if not ok]
+                                                        ("embedding", o.embedding == "fp32"),
+                                                        ("prefill", o.prefill == "same")) if not ok]
         if bad:
             return (f"quantize.options {', '.join(bad)}: the fp16 graph of build.onnxruntime.precision: fp16 is "
                     "quantized weight-only (MatMulNBits 8-bit): set method: blockwise, smoothquant_alpha: null, "
-                    "embedding: fp32")
+                    "embedding: fp32, prefill: same")
     return None
 
 

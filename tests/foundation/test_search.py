@@ -295,7 +295,7 @@ def test_the_table_cuts_no_name_at_80_columns(toy, capsys, monkeypatch, measured
 def test_onnxruntime_candidates_resolve_on_its_cpu_recipes():
     t = targets.get("onnxruntime")
     names = [c.name for c in t.candidates]
-    assert names == ["fp32", "int8", "int8-mixed", "int4", "cuda-fp16", "cuda-int4"]
+    assert names == ["fp32", "int8", "int8-prompt-pt", "int8-per-token", "int8-mixed", "int4", "cuda-fp16", "cuda-int4"]
     for rn in ("smollm2-135m-fp32", "smollm2-135m-int8", "smollm2-135m-int4", "smollm2-135m-cuda-int4"):
         for c in t.candidates:
             r = resolve(rn, list(c.overrides))

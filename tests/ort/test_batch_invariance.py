@@ -69,3 +69,16 @@ def test_dynamic_int8_is_not_batch_invariant_and_says_so(tiny_onnx_dir, tmp_path
     assert eng.batch_invariant is False
     diffs = _differences(eng)
     assert max(diffs) > 1e-4, diffs   # a row's numbers change with its batch-mates: the metadata is truthful
+
+
+def test_per_token_int8_rows_are_bitwise_equal_alone_and_batched(tiny_onnx_dir, tmp_path):
+    """per_token quantizes each row's activations with its own scale (pipeline/ort/per_token.py): padding and
+    batch-mates take no part, and the metadata says the engine may batch."""
+    eng = _engine(tiny_onnx_dir, tmp_path, {"method": "per_token"})
+    meta = json.loads((tmp_path / "forge_ort.json").read_text())
+    assert meta["batch_invariant"] is True and eng.batch_invariant is True
+    assert meta["quantization"]["method"] == "per_token" and meta["quantization"]["per_token_matmuls"] == 15
+    assert _differences(eng) == [0.0] * len(LENGTHS)
+    rows = [list(map(int, r)) for r in _rows()]
+    together = eng.generate_batch(rows, 6, greedy=True)
+    assert [list(t) for t in together] == [list(eng.generate(r, 6, greedy=True)) for r in rows]

@@ -1,0 +1,153 @@
+"""Per-token dynamic INT8 (pipeline/ort/per_token.py, quantize.options.method: per_token): the rewrite computes
+what it says, on ONNX Runtime, and the engine's metadata carries what its session needs."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from pipeline.errors import ForgeError
+from pipeline.ort.engine import OrtEngine, inference_session, session_options
+from pipeline.ort.per_token import SESSION_CONFIG, per_token_int8, quantize_weight_per_channel
+from pipeline.ort.quantize import STATS_FILE, batch_invariant, dynamic_int8_weights, isa_accuracy_risk, quantize_onnx
+
+
+def _two_matmuls(w1, w2):
+    """y1 = x @ w1, y2 = x @ w2 (one input read by two MatMuls), z = y1 @ w2.T-shaped third: [x] -> [y1, y2]."""
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w1"], ["y1"], name="a"), helper.make_node("MatMul", ["x", "w2"], ["y2"], name="b")],
+        "t", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", w1.shape[0]])],
+        [helper.make_tensor_value_info("y1", TensorProto.FLOAT, None), helper.make_tensor_value_info("y2", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _reference(x, w, bits):
+    """The same arithmetic in numpy: x per row to u8 (scale max|x|/127, +128), w per column to s8, exact integer
+    product, then the two scales."""
+    m = np.maximum(np.abs(x).max(-1, keepdims=True), np.float32(1e-12))
+    xq = np.round(x * (np.float32(127) / m)).astype(np.int64)          # = u8 - 128
+    wq, ws = quantize_weight_per_channel(w, bits)
+    acc = (xq @ wq.astype(np.int64)).astype(np.float32)
+    return acc * (m / np.float32(127)) * ws
+
+
+@pytest.mark.parametrize("bits", [8, 7])
+def test_per_token_graph_is_the_integer_arithmetic_it_claims(bits):
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32), (rng.standard_normal((64, 32))).astype(np.float32)
+    m = _two_matmuls(w1, w2)
+    info = per_token_int8(m, ["a", "b"], weight_bits=bits)
+    assert info == {"per_token_matmuls": 2, "quantized_inputs": 1, "weight_bits": bits}   # x quantized once
+    ops = [n.op_type for n in m.graph.node]
+    assert "MatMul" not in ops and ops.count("MatMulInteger") == 2 and ops.count("ReduceMax") == 1
+    assert not {"w1", "w2"} & {i.name for i in m.graph.initializer}      # the fp32 weights are gone
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32) * np.array([1, 300], np.float32)[:, None, None]
+    x[1, 2] = 0.0                                                          # an all-zero row: scale eps, output 0
+    so = session_options(1, "disable")
+    y1, y2 = inference_session(m.SerializeToString(), so, ["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(y1, _reference(x, w1, bits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(y2, _reference(x, w2, bits), rtol=1e-5, atol=1e-4)
+    assert np.all(y1[1, 2] == 0)
+    # close to fp32: 8-bit per-channel weights, 8-bit per-row activations
+    rel = np.abs(y1 - x @ w1).max() / np.abs(x @ w1).max()
+    assert rel < (0.02 if bits == 8 else 0.04), rel
+
+
+def test_weight_quantization_rounds_half_to_even_and_keeps_zero_columns():
+    w = np.array([[1.0, 0.0], [-0.5, 0.0], [0.25, 0.0]], np.float32)
+    q, s = quantize_weight_per_channel(w, 8)
+    assert s.tolist() == [pytest.approx(1 / 127), 1.0] and q[:, 0].tolist() == [127, -64, 32] and not q[:, 1].any()
+    with pytest.raises(ValueError, match="weight_bits must be 7 or 8"):
+        per_token_int8(_two_matmuls(w, w), ["a"], weight_bits=4)
+
+
+def test_per_token_engine_records_its_session_config_and_is_portable(tiny_onnx_dir, tmp_path):
+    """The quantize stage's graph: every weight MatMul per token, the session option that keeps full-range s8 exact
+    on CPUs without VNNI in its metadata (the engine applies it), batch-invariant, no ISA accuracy risk."""
+    calib = np.random.default_rng(0).integers(3, 256, (4, 32))
+    info = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", calib_windows=calib, options={"method": "per_token"})
+    meta = json.loads((tmp_path / "forge_ort.json").read_text())
+    q = meta["quantization"]
+    assert meta["ort_session_config"] == SESSION_CONFIG and q["method"] == "per_token" and q["weight_bits"] == 8
+    assert batch_invariant(q) and dynamic_int8_weights(q) is None
+    assert dynamic_int8_weights({"algo": "int8", "options": {"method": "per_token"}}) is None   # a recipe's section
+    for isa in ("x86_64-avx2", "x86_64-avx512", "x86_64-avx512vnni", "x86_64-amx"):
+        assert isa_accuracy_risk(q, isa) is None
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node}
+    assert "MatMulInteger" in ops and "MatMul" not in ops
+    # every input smoothed (down_proj's through up_proj) unless smoothquant_only is set
+    stats = json.loads((tmp_path / STATS_FILE).read_text())
+    # 2 layers x (attention input, MLP input, down_proj input) + the final norm's output, read by the lm_head
+    assert len(stats["smoothquant"]) == 2 * 3 + 1
+    assert {v["folded_into"] for v in stats["smoothquant"].values()} == {"norm", "matmul"}
+    assert info["per_token_matmuls"] == info["quantized_matmuls"] == 15
+    eng = OrtEngine(tmp_path, threads=1)
+    ids = np.random.default_rng(1).integers(3, 256, (1, 12))
+    ref = OrtEngine(tiny_onnx_dir, threads=1).logits(ids)
+    got = eng.logits(ids)
+    cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+    assert cos.min() > 0.99, cos.min()
+
+
+def test_an_unknown_int8_method_names_the_key_and_the_choices(tiny_onnx_dir, tmp_path):
+    with pytest.raises(Exception) as e:
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"method": "per_row"})
+    assert "per_token" in str(e.value) and "method" in str(e.value)
+    assert isinstance(e.value, (ForgeError, ValueError))
+
+
+def test_a_blockwise_engine_with_a_per_token_prompt_graph(tiny_onnx_dir, tmp_path):
+    """quantize.options.prefill: per_token: the blockwise graph for decode steps and prefill.onnx for prompts. A
+    prompt (a call on an empty cache) runs on the prompt graph, decode steps on the other, so a row's numbers
+    depend on its own phase only: alone and batched they are bitwise equal; the build stage optimises and checks
+    both graphs."""
+    from pipeline.ort.optimize import optimize
+    calib = np.random.default_rng(0).integers(3, 256, (4, 32))
+    q = tmp_path / "q"
+    info = quantize_onnx(tiny_onnx_dir, q, algo="int8", calib_windows=calib,
+                         options={"method": "blockwise", "prefill": "per_token"})
+    meta = json.loads((q / "forge_ort.json").read_text())
+    assert meta["prefill_model_file"] == "prefill.onnx" and meta["ort_session_config"] == SESSION_CONFIG
+    assert info["prefill"]["per_token_matmuls"] == 15 and meta["batch_invariant"] is True
+    ops = lambda f: {n.op_type for n in onnx.load(str(q / f), load_external_data=False).graph.node}  # noqa: E731
+    assert "MatMulNBits" in ops("model.onnx") and "MatMulInteger" not in ops("model.onnx")
+    assert "MatMulInteger" in ops("prefill.onnx") and "MatMulNBits" not in ops("prefill.onnx")
+
+    both, decode_only = OrtEngine(q, threads=1), OrtEngine(q, threads=1, prefill_graph=False)
+    assert both.prefill_session is not None and decode_only.prefill_session is None
+    ids = np.random.default_rng(1).integers(3, 256, (1, 12))
+    # prompts: the prompt graph's numbers differ from the decode graph's (another quantizer), both near FP32
+    ref = OrtEngine(tiny_onnx_dir, threads=1).logits(ids)
+    a, b = both.logits(ids), decode_only.logits(ids)
+    assert not np.array_equal(a, b)
+    for got in (a, b):
+        cos = (got * ref).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(ref, axis=-1))
+        assert cos.min() > 0.99
+    # a decode step runs on the decode graph: after the same prompt-graph prefill, the step's logits are the
+    # decode graph's (the engine with the prompt graph turned off gives them from its own prefill's K/V)
+    cache = both.cache(1, 16)
+    both.forward(ids, np.array([12]), cache)
+    step = both.decode(np.array([7]), cache)
+    cache2 = decode_only.cache(1, 16)
+    decode_only.forward(ids, np.array([12]), cache2)
+    assert np.abs(step - decode_only.decode(np.array([7]), cache2)).max() < 0.05 * np.abs(step).max()
+
+    rows = [list(map(int, r)) for r in np.random.default_rng(7).integers(3, 256, (3, 9))]
+    rows[1] = rows[1][:4]
+    together = both.generate_batch(rows, 5, greedy=True)
+    assert [list(t) for t in together] == [list(both.generate(r, 5, greedy=True)) for r in rows]
+
+    out = tmp_path / "opt"
+    m = optimize(q, out, level="all", threads=1)
+    assert (out / "prefill.onnx").exists() and m["graphs"] == ["model.onnx", "prefill.onnx"]
+    assert [c["check_graph"] for c in m["checks"]] == ["model", "prompt"]
+    assert all(c["check_cosine"] > 0.999 for c in m["checks"])
+
+
+@pytest.mark.parametrize("method", ["mixed", "dynamic", "per_token"])
+def test_a_prompt_graph_is_refused_beside_other_methods(method, tiny_onnx_dir, tmp_path):
+    with pytest.raises(ForgeError, match="quantize.options.prefill: per_token adds a prompt graph to method blockwise"):
+        quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"method": method, "prefill": "per_token"})

@@ -61,6 +61,27 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 LAYOUTS = ("shared", "concat")
 
 
+# forge_ort.json: session config entries for CPUs whose MLAS u8 x s8 GEMM sums in saturating 16-bit lanes only
+SATURATING_U8S8_CONFIG_KEY = "ort_session_config_u8s8_saturating"
+
+
+def u8s8_saturates() -> bool:
+    """Whether ONNX Runtime's u8 x s8 GEMM sums pairs of products in saturating 16-bit lanes on this CPU: x86 without
+    VNNI or AMX. pipeline/host/cpu.py classifies the CPU by CPUID; in Triton's python stub, where this module also
+    runs without pipeline/, the kernel's flags answer."""
+    try:
+        from pipeline.host.cpu import U8S8_SATURATING, cpu_isa_class
+        return cpu_isa_class() in U8S8_SATURATING
+    except ImportError:
+        pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return False
+    return "avx2" in flags and not flags & {"avx_vnni", "avx512_vnni", "amx_int8"}
+
+
 def inference_session(model: str | bytes, options: ort.SessionOptions | None,
                       providers: Sequence) -> ort.InferenceSession:
     """``ort.InferenceSession``; on CUDA, the NVIDIA wheels' CUDA/cuDNN libraries are loaded first
@@ -281,7 +302,10 @@ class OrtEngine:
         self.threads, self.device, self.device_id = threads, device, int(device_id)
         self.options = session_options(threads, level)
         self.options.enable_cpu_mem_arena = bool(cpu_arena)
-        for key, value in (self.meta.get("ort_session_config") or {}).items():   # what the graph's producer asks
+        # what the graph's producer asks, everywhere and (per_token INT8) where u8 x s8 sums saturate
+        asks = {**(self.meta.get("ort_session_config") or {}),
+                **((self.meta.get(SATURATING_U8S8_CONFIG_KEY) or {}) if u8s8_saturates() else {})}
+        for key, value in asks.items():
             self.options.add_session_config_entry(str(key), str(value))
         providers = list(providers or ["CPUExecutionProvider"])
         self.cuda_graph = bool(cuda_graph)

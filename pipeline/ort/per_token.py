@@ -26,11 +26,12 @@ import numpy as np
 
 __all__ = ["per_token_int8", "quantize_weight_per_channel", "SESSION_CONFIG"]
 
-# What the graph's session needs (written into its forge_ort.json, applied by pipeline/ort/engine.py): full-range
-# s8 weights are exact on every ISA class when MLAS uses its U8U8 kernels on x86 without VNNI, which this option asks
-# for ("Only effective with AVX2 or AVX512 platforms": kOrtSessionOptionsAvx2PrecisionMode in
-# include/onnxruntime/core/session/onnxruntime_session_options_config_keys.h, microsoft/onnxruntime@5bbf2675).
-# 7-bit weights avoid the overflow too but measured +3.0 % against +1.5 % ppl on SmolLM2 (docs/quantization.md).
+# What the graph's session needs on CPUs whose u8 x s8 sums saturate (x86 without VNNI / AMX), written into its
+# forge_ort.json (pipeline/ort/engine.py SATURATING_U8S8_CONFIG_KEY, applied there only): MLAS's U8U8 kernels, exact
+# with full-range s8 weights (kOrtSessionOptionsAvx2PrecisionMode in
+# include/onnxruntime/core/session/onnxruntime_session_options_config_keys.h, microsoft/onnxruntime@5bbf2675). Not
+# everywhere: with VNNI it also takes the U8U8 path, measured 0.56x the prompt speed (x86_64-avx512vnni). 7-bit
+# weights avoid the overflow too but measured +3.0 % against +1.5 % ppl on SmolLM2 (docs/quantization.md).
 SESSION_CONFIG = {"session.x64quantprecision": "1"}
 
 

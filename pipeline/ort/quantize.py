@@ -98,6 +98,7 @@ def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict |
     weight MatMul not excluded per token (pipeline/ort/per_token.py). MatMulNBits is fast at M = 1 and not at a
     prompt's M (docs/quantization.md); the engine runs a prompt on an empty cache here and decode steps on the
     other graph (pipeline/ort/engine.py)."""
+    from .engine import SATURATING_U8S8_CONFIG_KEY
     from .per_token import SESSION_CONFIG, per_token_int8
 
     if o.method != "blockwise":
@@ -119,7 +120,7 @@ def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict |
     done = per_token_int8(model, [n.name for n, _ in nodes if not _matches(n, list(o.exclude))], weight_bits=8)
     _save(model, out_dir, PREFILL_FILE)
     meta["prefill_model_file"] = PREFILL_FILE
-    meta["ort_session_config"] = {**(meta.get("ort_session_config") or {}), **SESSION_CONFIG}
+    meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
     return {"file": PREFILL_FILE, "method": "per_token", "weights": "int8 per-channel symmetric",
             "activations": "int8 per token (a scale per row), computed at run time", "smoothed_inputs": len(smooth),
             **done}
@@ -745,12 +746,13 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                     del model   # the prompt graph is made from the export again: one fp32 model in memory
                     info["prefill"] = _prefill_graph(fp32_dir, out_dir, o, act, meta)
             elif method == "per_token":
+                from .engine import SATURATING_U8S8_CONFIG_KEY
                 from .per_token import SESSION_CONFIG, per_token_int8
                 done = per_token_int8(model, [n.name for n, _ in nodes if n.name not in excluded], weight_bits=8)
                 _save(model, out_dir)
                 info = {"method": "per_token", "weights": "int8 per-channel symmetric",
                         "activations": "int8 per token (a scale per row), computed at run time", **done}
-                meta["ort_session_config"] = {**(meta.get("ort_session_config") or {}), **SESSION_CONFIG}
+                meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use blockwise, "
                                  "per_token, mixed or dynamic")

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from pipeline.errors import ForgeError
-from pipeline.ort.engine import OrtEngine, inference_session, session_options
+from pipeline.ort.engine import SATURATING_U8S8_CONFIG_KEY, OrtEngine, inference_session, session_options
 from pipeline.ort.per_token import SESSION_CONFIG, per_token_int8, quantize_weight_per_channel
 from pipeline.ort.quantize import STATS_FILE, batch_invariant, dynamic_int8_weights, isa_accuracy_risk, quantize_onnx
 
@@ -64,14 +64,15 @@ def test_weight_quantization_rounds_half_to_even_and_keeps_zero_columns():
         per_token_int8(_two_matmuls(w, w), ["a"], weight_bits=4)
 
 
-def test_per_token_engine_records_its_session_config_and_is_portable(tiny_onnx_dir, tmp_path):
+def test_per_token_engine_records_its_session_config_and_is_portable(tiny_onnx_dir, tmp_path, monkeypatch):
     """The quantize stage's graph: every weight MatMul per token, the session option that keeps full-range s8 exact
     on CPUs without VNNI in its metadata (the engine applies it), batch-invariant, no ISA accuracy risk."""
     calib = np.random.default_rng(0).integers(3, 256, (4, 32))
     info = quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", calib_windows=calib, options={"method": "per_token"})
     meta = json.loads((tmp_path / "forge_ort.json").read_text())
     q = meta["quantization"]
-    assert meta["ort_session_config"] == SESSION_CONFIG and q["method"] == "per_token" and q["weight_bits"] == 8
+    assert meta[SATURATING_U8S8_CONFIG_KEY] == SESSION_CONFIG and "ort_session_config" not in meta
+    assert q["method"] == "per_token" and q["weight_bits"] == 8
     assert batch_invariant(q) and dynamic_int8_weights(q) is None
     assert dynamic_int8_weights({"algo": "int8", "options": {"method": "per_token"}}) is None   # a recipe's section
     for isa in ("x86_64-avx2", "x86_64-avx512", "x86_64-avx512vnni", "x86_64-amx"):
@@ -84,6 +85,16 @@ def test_per_token_engine_records_its_session_config_and_is_portable(tiny_onnx_d
     assert len(stats["smoothquant"]) == 2 * 3 + 1
     assert {v["folded_into"] for v in stats["smoothquant"].values()} == {"norm", "matmul"}
     assert info["per_token_matmuls"] == info["quantized_matmuls"] == 15
+    # the U8U8 kernels where u8 x s8 saturates only: with VNNI the option also takes them (0.56x the prompt speed)
+    for saturates in (True, False):
+        monkeypatch.setattr("pipeline.ort.engine.u8s8_saturates", lambda: saturates)
+        opts = OrtEngine(tmp_path, threads=1).options
+        if saturates:
+            assert opts.get_session_config_entry("session.x64quantprecision") == "1"
+        else:
+            with pytest.raises(RuntimeError, match="does not have configuration"):
+                opts.get_session_config_entry("session.x64quantprecision")
+    monkeypatch.undo()
     eng = OrtEngine(tmp_path, threads=1)
     ids = np.random.default_rng(1).integers(3, 256, (1, 12))
     ref = OrtEngine(tiny_onnx_dir, threads=1).logits(ids)
@@ -110,7 +121,7 @@ def test_a_blockwise_engine_with_a_per_token_prompt_graph(tiny_onnx_dir, tmp_pat
     info = quantize_onnx(tiny_onnx_dir, q, algo="int8", calib_windows=calib,
                          options={"method": "blockwise", "prefill": "per_token"})
     meta = json.loads((q / "forge_ort.json").read_text())
-    assert meta["prefill_model_file"] == "prefill.onnx" and meta["ort_session_config"] == SESSION_CONFIG
+    assert meta["prefill_model_file"] == "prefill.onnx" and meta[SATURATING_U8S8_CONFIG_KEY] == SESSION_CONFIG
     assert info["prefill"]["per_token_matmuls"] == 15 and meta["batch_invariant"] is True
     ops = lambda f: {n.op_type for n in onnx.load(str(q / f), load_external_data=False).graph.node}  # noqa: E731
     assert "MatMulNBits" in ops("model.onnx") and "MatMulInteger" not in ops("model.onnx")
@@ -151,3 +162,27 @@ def test_a_blockwise_engine_with_a_per_token_prompt_graph(tiny_onnx_dir, tmp_pat
 def test_a_prompt_graph_is_refused_beside_other_methods(method, tiny_onnx_dir, tmp_path):
     with pytest.raises(ForgeError, match="quantize.options.prefill: per_token adds a prompt graph to method blockwise"):
         quantize_onnx(tiny_onnx_dir, tmp_path, algo="int8", options={"method": method, "prefill": "per_token"})
+
+
+@pytest.mark.parametrize("flags, expect", [("fpu avx2 fma", True), ("avx2 avx512f avx512_vnni", False),
+                                           ("avx2 avx_vnni", False), ("avx2 avx512f amx_int8 amx_tile", False),
+                                           ("sse4_2", False)])
+def test_the_triton_stub_probe_reads_the_kernel_flags(flags, expect, monkeypatch, tmp_path):
+    """In Triton's python stub (no pipeline/), the engine module reads /proc/cpuinfo's flags: saturating u8 x s8 is
+    AVX2 without AVX-VNNI, AVX512-VNNI or AMX, as pipeline/host/cpu.py's U8S8_SATURATING classes."""
+    import builtins
+    import io
+    import sys
+
+    from pipeline.ort import engine
+    monkeypatch.setitem(sys.modules, "pipeline.host.cpu", None)      # import fails as in the stub
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: io.StringIO(f"processor : 0\nflags : {flags}\n")
+                        if f == "/proc/cpuinfo" else real_open(f, *a, **k))
+    assert engine.u8s8_saturates() is expect
+
+
+def test_the_probe_agrees_with_the_cpu_classes_here():
+    from pipeline.host.cpu import U8S8_SATURATING, cpu_isa_class
+    from pipeline.ort import engine
+    assert engine.u8s8_saturates() == (cpu_isa_class() in U8S8_SATURATING)

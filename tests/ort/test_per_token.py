@@ -186,3 +186,19 @@ def test_the_probe_agrees_with_the_cpu_classes_here():
     from pipeline.host.cpu import U8S8_SATURATING, cpu_isa_class
     from pipeline.ort import engine
     assert engine.u8s8_saturates() == (cpu_isa_class() in U8S8_SATURATING)
+
+
+def test_blockwise_int8_packs_qkv_and_computes_the_same_logits(tiny_onnx_dir, tmp_path, monkeypatch):
+    """The blockwise graph's q/k/v are one MatMulNBits per attention (fewer kernel calls per decode step) holding the
+    very weights ORT's quantizer made: logits bitwise equal to the unpacked graph's."""
+    info = quantize_onnx(tiny_onnx_dir, tmp_path / "packed", algo="int8", options={"method": "blockwise"})
+    assert info["packed_qkv"] == 2 and info["quantized_matmuls"] == 15
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 15 - 2 * 2
+    monkeypatch.setattr("pipeline.ort.quantize._pack_saved_qkv", lambda out_dir: 0)
+    quantize_onnx(tiny_onnx_dir, tmp_path / "plain", algo="int8", options={"method": "blockwise"})
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 15
+    ids = np.random.default_rng(3).integers(3, 256, (2, 9))
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
+                                  OrtEngine(tmp_path / "plain", threads=1).logits(ids))

@@ -92,36 +92,34 @@ def _save(model, out_dir: Path, name: str = MODEL_FILE) -> Path:
     return path
 
 
-def _pack_saved_qkv(out_dir: Path) -> int:
-    """The saved graph's q/k/v MatMulNBits of each attention packed into one (pipeline/ort/pack_qkv.py): the same
+def _pack_qkv(model) -> int:
+    """``model``'s q/k/v MatMulNBits of each attention packed into one, in place (pipeline/ort/pack_qkv.py): the same
     dot products (logits bitwise equal), two fewer kernel calls per layer and decode step; measured +6-14 % decode
     b1 on SmolLM2's blockwise INT8 (x86_64-avx512vnni, three rounds). Returns the attentions packed."""
-    import onnx
-
     from .pack_qkv import pack_qkv
-    model = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
-    packed = pack_qkv(model)
-    if packed:
-        _save(model, out_dir)
-    return packed
+    return pack_qkv(model)
 
 
-def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict | None, meta: dict) -> dict:
-    """``prefill: per_token``: the prompt's graph (:data:`PREFILL_FILE`) beside the blockwise decode graph, from the
-    same FP32 export and calibration: SmoothQuant on every input it can fold (``smoothquant_alpha``), then every
-    weight MatMul not excluded per token (pipeline/ort/per_token.py). MatMulNBits is fast at M = 1 and not at a
-    prompt's M (docs/quantization.md); the engine runs a prompt on an empty cache here and decode steps on the
-    other graph (pipeline/ort/engine.py)."""
+def _per_token_graph(model, out_dir: Path, names: list[str], meta: dict, name: str = MODEL_FILE) -> dict:
+    """``names`` (weight MatMuls of ``model``) per token with 8-bit weights (pipeline/ort/per_token.py), saved as
+    ``name``; ``meta`` gets the session option the graph needs where u8 x s8 saturates. Returns what ran."""
     from .engine import SATURATING_U8S8_CONFIG_KEY
     from .per_token import SESSION_CONFIG, per_token_int8
 
-    if o.method != "blockwise":
-        raise ForgeError(f"quantize.options.prefill: per_token adds a prompt graph to method blockwise, not "
-                         f"{o.method!r}; use method: blockwise, or method: per_token for one per-token graph")
-    alpha = o.smoothquant_alpha if act is not None or "smoothquant_alpha" in o.model_fields_set else None
-    if alpha is not None and act is None:
-        raise ForgeError("quantize.options.prefill: per_token smooths with calibrated ranges: set "
-                         "quantize.calibration, or smoothquant_alpha: null")
+    done = per_token_int8(model, names, weight_bits=8)
+    _save(model, out_dir, name)
+    meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
+    return {"method": "per_token", "weights": "int8 per-channel symmetric",
+            "activations": "int8 per token (a scale per row), computed at run time", **done}
+
+
+def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict | None, alpha: float | None,
+                   meta: dict) -> dict:
+    """``prefill: per_token``: the prompt's graph (:data:`PREFILL_FILE`) beside the blockwise decode graph, from the
+    same FP32 export and calibration (``act``; ``alpha`` as :func:`quantize_onnx` resolved it): SmoothQuant on every
+    input it can fold, then every weight MatMul not excluded per token. MatMulNBits is fast at M = 1 and not at a
+    prompt's M (docs/quantization.md); the engine runs a prompt on an empty cache here and decode steps on the
+    other graph (pipeline/ort/engine.py)."""
     model = _load(fp32_dir)
     fold_weight_transposes(model)
     _prune_unused_initializers(model)
@@ -130,14 +128,10 @@ def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict |
         _prune_unused_initializers(model)
     smooth = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()}, float(alpha)) \
         if alpha is not None else {}
-    nodes = weight_matmuls(model)
-    done = per_token_int8(model, [n.name for n, _ in nodes if not _matches(n, list(o.exclude))], weight_bits=8)
-    _save(model, out_dir, PREFILL_FILE)
+    names = [n.name for n, _ in weight_matmuls(model) if not _matches(n, list(o.exclude))]
+    info = _per_token_graph(model, out_dir, names, meta, PREFILL_FILE)
     meta["prefill_model_file"] = PREFILL_FILE
-    meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
-    return {"file": PREFILL_FILE, "method": "per_token", "weights": "int8 per-channel symmetric",
-            "activations": "int8 per token (a scale per row), computed at run time", "smoothed_inputs": len(smooth),
-            **done}
+    return {"file": PREFILL_FILE, **info, "smoothed_inputs": len(smooth)}
 
 
 def _inits(model) -> dict:
@@ -480,19 +474,21 @@ def int8_dynamic(model, out_dir: Path, options: OrtInt8Options | dict | None = N
 
 
 def _nbits(model, out_dir: Path, excluded: list[str], *, bits: int, block: int, sym: bool, acc: int,
-           include: list[str] | None = None) -> dict:
-    """MatMulNBits (``bits``-bit blockwise weights) for the weight MatMuls of ``model`` (``include``: only these)."""
+           include: list[str] | None = None, pack_qkv: bool = False) -> dict:
+    """MatMulNBits (``bits``-bit blockwise weights) for the weight MatMuls of ``model`` (``include``: only these);
+    ``pack_qkv``: each attention's q/k/v packed into one before the graph is saved (:func:`_pack_qkv`)."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     q = MatMulNBitsQuantizer(model, bits=bits, block_size=block, is_symmetric=sym, accuracy_level=acc,
                              nodes_to_exclude=excluded, nodes_to_include=include, op_types_to_quantize=("MatMul",))
     q.process()
+    packed = _pack_qkv(q.model.model) if pack_qkv else None
     _save(q.model.model, out_dir)
     # accuracy_level 4 = MLAS int8 compute: activations quantized to int8 per row and block at run time
     acts = {4: f"int8 per token and {block}-block, computed at run time (accuracy_level 4)",
             1: "fp32 (accuracy_level 1)", 2: "fp16 (accuracy_level 2)", 3: "bf16 (accuracy_level 3)"}.get(acc, str(acc))
     return {"method": "MatMulNBits", "weights": f"int{bits} {'sym' if sym else 'asym'} block {block}",
-            "activations": acts, "accuracy_level": acc}
+            "activations": acts, "accuracy_level": acc, **({"packed_qkv": packed} if pack_qkv else {})}
 
 
 # int4_wo methods that fit their values to calibration data -> the activation moments they read
@@ -754,20 +750,13 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                         "dynamic_weights": info["dynamic_weights"]}
             elif method == "blockwise":
                 info = _nbits(model, out_dir, excluded, bits=8, block=o.block_size, sym=o.symmetric,
-                              acc=o.accuracy_level)
+                              acc=o.accuracy_level, pack_qkv=True)
                 info["method"] = "blockwise"
-                info["packed_qkv"] = _pack_saved_qkv(out_dir)
                 if o.prefill == "per_token":
                     del model   # the prompt graph is made from the export again: one fp32 model in memory
-                    info["prefill"] = _prefill_graph(fp32_dir, out_dir, o, act, meta)
+                    info["prefill"] = _prefill_graph(fp32_dir, out_dir, o, act, alpha, meta)
             elif method == "per_token":
-                from .engine import SATURATING_U8S8_CONFIG_KEY
-                from .per_token import SESSION_CONFIG, per_token_int8
-                done = per_token_int8(model, [n.name for n, _ in nodes if n.name not in excluded], weight_bits=8)
-                _save(model, out_dir)
-                info = {"method": "per_token", "weights": "int8 per-channel symmetric",
-                        "activations": "int8 per token (a scale per row), computed at run time", **done}
-                meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
+                info = _per_token_graph(model, out_dir, [n.name for n, _ in nodes if n.name not in excluded], meta)
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use blockwise, "
                                  "per_token, mixed or dynamic")

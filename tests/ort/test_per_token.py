@@ -195,7 +195,7 @@ def test_blockwise_int8_packs_qkv_and_computes_the_same_logits(tiny_onnx_dir, tm
     assert info["packed_qkv"] == 2 and info["quantized_matmuls"] == 15
     ops = [n.op_type for n in onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 15 - 2 * 2
-    monkeypatch.setattr("pipeline.ort.quantize._pack_saved_qkv", lambda out_dir: 0)
+    monkeypatch.setattr("pipeline.ort.quantize._pack_qkv", lambda model: 0)
     quantize_onnx(tiny_onnx_dir, tmp_path / "plain", algo="int8", options={"method": "blockwise"})
     ops = [n.op_type for n in onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 15

@@ -22,6 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from .export import META_FILE, MODEL_FILE, copy_side_files
+from .norms import fuse_rms_norms
 from .pack_qkv import pack_qkv
 
 __all__ = ["FP32_OPS", "KEEP_FP32_IO", "convert_fp16", "fp32_nodes", "fuse_rms_norms", "norm_statistic_adds"]
@@ -69,25 +70,6 @@ def convert_fp16(in_dir: str | Path, out_dir: str | Path, *, fuse_norms: bool = 
     return {"fp32_nodes": dict(Counter(n.op_type for n in fp32_nodes(model16))), "fp32_eps_adds": len(eps_adds),
             "fused_rms_norms": fused, "packed_qkv": packed,
             "fp32_ops": list(FP32_OPS), "fp32_io": list(KEEP_FP32_IO), "duplicate_nodes_dropped": dropped}
-
-
-def fuse_rms_norms(om) -> int:
-    """Every decomposed RMSNorm -> one ``SimplifiedLayerNormalization`` node, by ONNX Runtime's own fusion
-    (onnxruntime.transformers.fusion_simplified_layernorm, the Pow/ReduceMean/Add/Sqrt/Reciprocal/Mul pattern of
-    our export). Its CUDA kernel takes fp16 in and out and accumulates the statistics in fp32 (ORT's LayerNorm
-    kernels, U = float for MLFloat16), so no cast surrounds it: ~11 nodes per norm become 1 (61 norms in SmolLM2,
-    247 casts -> 3), which matters for decode, where every node is a kernel launch.
-    The residual ``Add`` before each norm is NOT fused into ``SkipSimplifiedLayerNormalization``: that CUDA kernel
-    sums x^2 in the input type unless ``enable_skip_layer_norm_strict_mode`` is on
-    (onnxruntime/contrib_ops/cuda/bert/skip_layer_norm_impl.cu, ``cub::KeyValuePair<T, T>``,
-    microsoft/onnxruntime@02ce7d40), which overflows fp16 on the attention-sink token. ORT's session-time
-    SkipLayerNormFusion never makes it from SimplifiedLayerNormalization (it matches LayerNormalization only; see
-    pipeline.ort.engine.inference_session). Returns the number of norms fused."""
-    from onnxruntime.transformers.fusion_simplified_layernorm import FusionSimplifiedLayerNormalization
-
-    FusionSimplifiedLayerNormalization(om).apply()
-    om.prune_graph()
-    return sum(n.op_type == "SimplifiedLayerNormalization" for n in om.model.graph.node)
 
 
 def norm_statistic_adds(model) -> list[str]:

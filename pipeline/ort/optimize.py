@@ -3,7 +3,8 @@
 ``level``: ``basic`` (constant folding, redundant-node removal), ``extended`` (plus fusions such as
 DynamicQuantizeMatMul, SkipSimplifiedLayerNormalization, attention fusions), ``all`` (plus layout transforms that are
 specific to this machine's CPU). The saved graph only runs on ONNX Runtime with the provider it was optimised for;
-``extended`` is the portable choice for a packaged engine.
+``extended`` is the portable choice for a packaged engine. On the CPU, ``extended`` and ``all`` also fuse the
+export's RMSNorms (pipeline.ort.norms), which ORT's session optimiser leaves as seven nodes each.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pipeline.host.rss import trim_heap
 
 from .engine import OrtEngine, inference_session, session_options
 from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
+from .norms import fuse_cpu_norms, graph_files
 
 __all__ = ["optimize", "LEVELS", "PROVIDERS"]
 
@@ -47,7 +49,12 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     """Optimise ``in_dir/model.onnx`` with ORT at ``level`` into ``out_dir`` and check it still computes the same
     logits (max abs difference <= ``check_atol`` on a fixed input). Returns metrics incl. op counts and the
     session options to run it with. ``provider`` ``cuda``: optimised for and checked on the CUDA provider (the saved
-    graph may hold CUDA-only fusions), the KV cache on the GPU."""
+    graph may hold CUDA-only fusions), the KV cache on the GPU. On the CPU at ``extended`` and ``all`` the RMSNorms
+    and their residual adds are fused first (pipeline.ort.norms.fuse_cpu_norms: ORT's session optimiser does not
+    match our export's pattern); the check holds the result to ``in_dir``'s unfused graph."""
+    import shutil
+    import tempfile
+
     import onnxruntime as ort
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
@@ -59,17 +66,25 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / MODEL_FILE
     meta = json.loads((in_dir / META_FILE).read_text()) if (in_dir / META_FILE).exists() else {}
-    # the graphs: the model, and the prompt graph when the quantizer wrote one (quantize.options.prefill)
-    graphs = [MODEL_FILE] + ([meta["prefill_model_file"]] if meta.get("prefill_model_file") else [])
+    graphs = graph_files(in_dir)   # the model, and the prompt graph when the quantizer wrote one
     providers = PROVIDERS[provider]
     t0 = time.time()
-    for name in graphs:
-        for f in (out_dir / name, out_dir / (name + ".data")):
-            f.unlink(missing_ok=True)
-        so = session_options(threads, level, optimized_path=str(out_dir / name))
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", name + ".data")
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        inference_session(str(in_dir / name), so, providers)   # saves the optimised graph (optimized_model_filepath)
+    fused_norms, fused_dir = None, None
+    try:
+        if provider == "cpu" and level in ("extended", "all"):
+            fused_dir = Path(tempfile.mkdtemp(prefix=".norms-", dir=out_dir.parent))
+            fused_norms = fuse_cpu_norms(in_dir, fused_dir)
+        for name in graphs:
+            for f in (out_dir / name, out_dir / (name + ".data")):
+                f.unlink(missing_ok=True)
+            so = session_options(threads, level, optimized_path=str(out_dir / name))
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name", name + ".data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+            # saves the optimised graph (optimized_model_filepath)
+            inference_session(str((fused_dir or in_dir) / name), so, providers)
+    finally:
+        if fused_dir is not None:
+            shutil.rmtree(fused_dir, ignore_errors=True)
     opt_s = time.time() - t0
     copy_side_files(in_dir, out_dir)
     meta["optimization"] = {"level": level, "threads": threads, "onnxruntime": ort.__version__,
@@ -88,7 +103,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
               for prompt_graph in ([False, True] if len(graphs) > 1 else [True])]
     metrics = dict(next((c for c in checks if not _passes(c, quantized, check_atol)), checks[0]))
     metrics.update({"checks": checks if len(checks) > 1 else None, "level": level, "threads": threads,
-                    "optimize_s": round(opt_s, 2), "provider": provider, "graphs": graphs, "ops_before": _op_counts(src), "ops_after": _op_counts(dst),
+                    "optimize_s": round(opt_s, 2), "provider": provider, "graphs": graphs, "fused_norms": fused_norms, "ops_before": _op_counts(src), "ops_after": _op_counts(dst),
                     "model_bytes": model_bytes(out_dir),
                     "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
                                         "graph_optimization_level": level}})

@@ -209,7 +209,9 @@ class OrtBuildStage(CudaAware, Stage):
     """ONNX Runtime graph optimisations applied and saved, session options recorded."""
     name = "build"
     out_link = "engine"
-    version = "2"   # 2: fp16 (CUDA) graphs with fused RMSNorms and packed QKV (the fp16 norm-statistics overflow)
+    # 2: fp16 (CUDA) graphs with fused RMSNorms and packed QKV (the fp16 norm-statistics overflow)
+    # 3: CPU graphs with fused RMSNorms and residual adds (SkipSimplifiedLayerNormalization, pipeline/ort/norms.py)
+    version = "3"
     needs = ("quantize", "source")
     tools = ORT_TOOLS
     section = "build.onnxruntime"

@@ -1,4 +1,5 @@
-"""Packed QKV for GroupQueryAttention graphs: one projection MatMul per attention instead of three.
+"""Packed projections: QKV for GroupQueryAttention graphs (one projection MatMul per attention instead of three),
+and the MLP's gate and up (``pack_gate_up``: one MatMulNBits and a Split instead of two).
 
 Each attention of the export reads ``q_proj(x)``, ``k_proj(x)`` and ``v_proj(x)``: three MatMuls of one input. Their
 weights are concatenated along the output axis into one MatMul whose output GroupQueryAttention takes as packed QKV,
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["pack_qkv"]
+__all__ = ["pack_gate_up", "pack_qkv"]
 
 _NBITS_SAME = ("K", "bits", "block_size", "accuracy_level")
 
@@ -94,6 +95,68 @@ def pack_qkv(model) -> int:
         for p in projs:
             g.node.remove(p)
         att.input[0], att.input[1], att.input[2] = out, "", ""
+        packed += 1
+    if packed:
+        used = {i for n in g.node for i in n.input}
+        for init in list(g.initializer):
+            if init.name not in used:
+                g.initializer.remove(init)
+    return packed
+
+
+def pack_gate_up(model) -> int:
+    """Rewrite ``model`` in place: every pair of weight-only ``MatMulNBits`` that read one input with the same
+    ``K``/``bits``/``block_size``/``accuracy_level`` (the MLP's gate and up projections) becomes one MatMulNBits
+    over both weights (rows of N concatenated, as in :func:`pack_qkv`) and a ``Split`` on the last axis that gives
+    each output its old name, so the readers are untouched. Each output row is its own dot products over the same
+    quantized activation blocks, so the numbers do not change (tests/ort/test_pack_qkv.py checks bitwise equal
+    logits); a decode step runs one kernel and one activation quantization fewer per layer. Returns the pairs
+    packed. Only pairs: q/k/v (three readers) are pack_qkv's, anything else is left as it is."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    outputs = {o.name for o in g.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        if n.op_type == "MatMulNBits":
+            readers.setdefault(n.input[0], []).append(n)
+    packed = 0
+    for x, pair in readers.items():
+        if len(pair) != 2:
+            continue
+        ats = [_attrs(p) for p in pair]
+        if any(len(p.input) > 4 or any(i not in inits for i in p.input[1:] if i) for p in pair) or \
+                len({len(p.input) for p in pair}) != 1 or \
+                [bool(i) for i in pair[0].input] != [bool(i) for i in pair[1].input] or \
+                any(p.output[0] in outputs for p in pair) or \
+                tuple(ats[0].get(k) for k in _NBITS_SAME) != tuple(ats[1].get(k) for k in _NBITS_SAME):
+            continue
+        blocks = -(-int(ats[0]["K"]) // int(ats[0]["block_size"]))
+        names = [""] * (len(pair[0].input) - 1)
+        tensors = {}
+        for j, key in enumerate(("B", "scales", "zero_points"), start=1):
+            if j < len(pair[0].input) and pair[0].input[j]:
+                tensors[j] = (key, np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in pair], axis=0))
+        zp = tensors.get(3)
+        if zp is not None and zp[1].dtype == np.uint8 and (blocks * int(ats[0]["bits"])) % 8:
+            continue   # packed integer zero points with a padded last byte per row: rows would not line up
+        base = pair[0].name or f"gate_up_{packed}"
+        for j, (key, arr) in tensors.items():
+            names[j - 1] = f"{base}_gate_up_{key}"
+            g.initializer.append(numpy_helper.from_array(arr, names[j - 1]))
+        both = f"{pair[0].output[0]}_gate_up"
+        sizes = f"{base}_gate_up_split"
+        g.initializer.append(numpy_helper.from_array(np.array([ats[0]["N"], ats[1]["N"]], np.int64), sizes))
+        node = helper.make_node("MatMulNBits", [x, *names], [both], name=f"{base}_gate_up", domain=pair[0].domain,
+                                **{**ats[0], "N": int(ats[0]["N"] + ats[1]["N"])})
+        split = helper.make_node("Split", [both, sizes], [pair[0].output[0], pair[1].output[0]],
+                                 name=f"{base}_gate_up_split", axis=-1)
+        at = min(list(g.node).index(p) for p in pair)
+        for p in pair:
+            g.node.remove(p)
+        g.node.insert(at, split)
+        g.node.insert(at, node)
         packed += 1
     if packed:
         used = {i for n in g.node for i in n.input}

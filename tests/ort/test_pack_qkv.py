@@ -1,6 +1,7 @@
 """pipeline.ort.pack_qkv: the q/k/v projections of each attention as one MatMul (packed QKV into
-GroupQueryAttention). The rewrite must not change a number: same logits, same generated tokens, for plain MatMul and
-weight-only MatMulNBits graphs, and it must leave alone what it cannot pack."""
+GroupQueryAttention), and the MLP's gate/up MatMulNBits as one and a Split. The rewrites must not change a number:
+same logits, same generated tokens, for plain MatMul and weight-only MatMulNBits graphs, and they must leave alone
+what they cannot pack."""
 
 import shutil
 
@@ -10,12 +11,12 @@ import pytest
 PROMPTS = [[5, 17, 33, 3, 60, 61, 9], [7, 8, 100, 4]]
 
 
-def _packed_copy(src, dst):
+def _packed_copy(src, dst, pack=None):
     import onnx
     from pipeline.ort.export import copy_side_files
     from pipeline.ort.pack_qkv import pack_qkv
     m = onnx.load(str(src / "model.onnx"))
-    n = pack_qkv(m)
+    n = (pack or pack_qkv)(m)
     dst.mkdir(parents=True, exist_ok=True)
     onnx.save_model(m, str(dst / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
                     location="model.onnx.data", size_threshold=1024)
@@ -83,3 +84,47 @@ def test_converted_fp16_graph_is_packed_and_fused(tiny_onnx_dir, tmp_path):
     unpacked = convert_fp16(tiny_onnx_dir, tmp_path / "fp16_unpacked", fuse_qkv=False)
     assert unpacked["packed_qkv"] == 0
     _same_engine(tmp_path / "fp16_unpacked", tmp_path / "fp16", atol=2e-2)
+
+
+@pytest.mark.parametrize("method", ["rtn", "hqq"])
+def test_packs_gate_and_up_of_int4_graphs_into_one_kernel_and_a_split(method, tiny_onnx_dir, tmp_path):
+    """Integer (rtn: uint8, two per byte) and float (hqq) zero points: rows of N concatenated, a Split gives each
+    projection's output its old name; the logits are bitwise equal. After pack_qkv nothing else is paired."""
+    import onnx
+    from pipeline.ort.engine import OrtEngine
+    from pipeline.ort.pack_qkv import pack_gate_up, pack_qkv
+    from pipeline.ort.quantize import quantize_onnx
+    q = tmp_path / method
+    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": method})
+    n, m = _packed_copy(q, tmp_path / "packed", pack=lambda m: (pack_qkv(m), pack_gate_up(m)))
+    assert n == (2, 2)
+    fused = [x for x in m.graph.node if x.op_type == "MatMulNBits" and x.name.endswith("_gate_up")]
+    assert [{a.name: a.i for a in x.attribute}["N"] for x in fused] == [2 * 128, 2 * 128]
+    assert sum(x.op_type == "Split" for x in m.graph.node) == 2
+    onnx.checker.check_model(str(tmp_path / "packed" / "model.onnx"))   # raises on an invalid graph
+    ids = np.random.default_rng(5).integers(3, 256, (2, 11))
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
+                                  OrtEngine(q, threads=1).logits(ids))
+    _same_engine(q, tmp_path / "packed", atol=0)
+
+
+def test_gate_up_packing_leaves_what_it_cannot_pair(tiny_onnx_dir, tmp_path):
+    """A plain MatMul graph (nothing to pair), a pair whose output is also a graph output, and a pair of different
+    block sizes are left as they are."""
+    import onnx
+    from onnx import helper
+    from pipeline.ort.pack_qkv import pack_gate_up
+    from pipeline.ort.quantize import quantize_onnx
+    assert pack_gate_up(onnx.load(str(tiny_onnx_dir / "model.onnx"))) == 0
+    q = tmp_path / "rtn"
+    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
+    m = onnx.load(str(q / "model.onnx"))
+    readers = {}
+    for x in m.graph.node:
+        if x.op_type == "MatMulNBits":
+            readers.setdefault(x.input[0], []).append(x)
+    pairs = [v for v in readers.values() if len(v) == 2]
+    assert len(pairs) == 2
+    m.graph.output.append(helper.make_tensor_value_info(pairs[0][0].output[0], onnx.TensorProto.FLOAT, None))
+    next(a for a in pairs[1][1].attribute if a.name == "block_size").i = 64
+    assert pack_gate_up(m) == 0

@@ -195,17 +195,20 @@ def test_the_probe_agrees_with_the_cpu_classes_here():
     assert engine.u8s8_saturates() == (cpu_isa_class() in U8S8_SATURATING)
 
 
-def test_blockwise_int8_packs_qkv_and_computes_the_same_logits(tiny_onnx_dir, tmp_path, monkeypatch):
-    """The blockwise graph's q/k/v are one MatMulNBits per attention (fewer kernel calls per decode step) holding the
-    very weights ORT's quantizer made: logits bitwise equal to the unpacked graph's."""
+def test_blockwise_int8_packs_qkv_and_gate_up_and_computes_the_same_logits(tiny_onnx_dir, tmp_path, monkeypatch):
+    """The blockwise graph's q/k/v are one MatMulNBits per attention and its gate/up one per MLP (fewer kernel calls
+    per decode step) holding the very weights ORT's quantizer made: logits bitwise equal to the unpacked graph's,
+    and the same greedy tokens alone and batched."""
     info = quantize_onnx(tiny_onnx_dir, tmp_path / "packed", algo="int8", options={"method": "blockwise"})
-    assert info["packed_qkv"] == 2 and info["quantized_matmuls"] == 15
+    assert info["packed_qkv"] == 2 and info["packed_gate_up"] == 2 and info["quantized_matmuls"] == 15
     ops = [n.op_type for n in onnx.load(str(tmp_path / "packed" / "model.onnx"), load_external_data=False).graph.node]
-    assert ops.count("MatMulNBits") == 15 - 2 * 2
-    monkeypatch.setattr("pipeline.ort.quantize._pack_qkv", lambda model: 0)
+    assert ops.count("MatMulNBits") == 15 - 2 * 2 - 2 and ops.count("Split") == 2
+    monkeypatch.setattr("pipeline.ort.quantize._pack_projections", lambda model: {})
     quantize_onnx(tiny_onnx_dir, tmp_path / "plain", algo="int8", options={"method": "blockwise"})
     ops = [n.op_type for n in onnx.load(str(tmp_path / "plain" / "model.onnx"), load_external_data=False).graph.node]
     assert ops.count("MatMulNBits") == 15
     ids = np.random.default_rng(3).integers(3, 256, (2, 9))
-    np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
-                                  OrtEngine(tmp_path / "plain", threads=1).logits(ids))
+    packed, plain = OrtEngine(tmp_path / "packed", threads=1), OrtEngine(tmp_path / "plain", threads=1)
+    np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
+    rows = [[5, 17, 33, 3, 60, 61, 9], [7, 8, 100, 4]]
+    assert packed.generate_batch(rows, 10) == plain.generate_batch(rows, 10)

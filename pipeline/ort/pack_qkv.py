@@ -13,7 +13,10 @@ fewer kernels per layer, and decode of a small model on a GPU is bound by kernel
 Plain ``MatMul`` (weight [K, N]: concatenated on axis 1) and weight-only ``MatMulNBits`` (B [N, blocks, blob],
 scales and zero points by row of N: concatenated on axis 0, ``N`` summed; contract
 onnxruntime/core/graph/contrib_ops/contrib_defs.cc MatMulNBits, microsoft/onnxruntime@6fa5002d: B
-``[N][n_blocks_per_col][blob_size]``, scales ``[N * n_blocks_per_col]``) are packed; anything else (mixed ops, other
+``[N][n_blocks_per_col][blob_size]``, scales ``[N * n_blocks_per_col]``; packed uint8 zero points are padded to a
+whole byte per row of N (ORT's quantizer writes ``N * ceil(n_blocks * bits / 8)`` bytes, e.g. 5,760 for N 576 and
+19 blocks), so rows concatenate whole -- tests/ort/test_pack_qkv.py checks it bitwise with one block per row) are
+packed; anything else (mixed ops, other
 attributes, ``g_idx``/bias inputs, an output read by something other than the attention) is left as it is.
 """
 
@@ -74,10 +77,6 @@ def pack_qkv(model) -> int:
             for j, key in enumerate(("B", "scales", "zero_points"), start=1):
                 if j < len(projs[0].input) and projs[0].input[j]:
                     tensors[key] = np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in projs], axis=0)
-            blocks = -(-int(ats[0]["K"]) // int(ats[0]["block_size"]))
-            zp = tensors.get("zero_points")
-            if zp is not None and zp.dtype == np.uint8 and (blocks * int(ats[0]["bits"])) % 8:
-                continue   # packed integer zero points with a padded last byte per row: rows would not line up
             attrs = {**ats[0], "N": int(sum(a["N"] for a in ats))}
         else:
             continue
@@ -132,15 +131,11 @@ def pack_gate_up(model) -> int:
                 any(p.output[0] in outputs for p in pair) or \
                 tuple(ats[0].get(k) for k in _NBITS_SAME) != tuple(ats[1].get(k) for k in _NBITS_SAME):
             continue
-        blocks = -(-int(ats[0]["K"]) // int(ats[0]["block_size"]))
         names = [""] * (len(pair[0].input) - 1)
         tensors = {}
         for j, key in enumerate(("B", "scales", "zero_points"), start=1):
             if j < len(pair[0].input) and pair[0].input[j]:
                 tensors[j] = (key, np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in pair], axis=0))
-        zp = tensors.get(3)
-        if zp is not None and zp[1].dtype == np.uint8 and (blocks * int(ats[0]["bits"])) % 8:
-            continue   # packed integer zero points with a padded last byte per row: rows would not line up
         base = pair[0].name or f"gate_up_{packed}"
         for j, (key, arr) in tensors.items():
             names[j - 1] = f"{base}_gate_up_{key}"

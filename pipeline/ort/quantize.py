@@ -618,12 +618,18 @@ def _int4_wo(model, out_dir: Path, o: OrtInt4Options, excluded: list[str], lm_he
                 "activations": "fp32 (HQQ's MatMulNBits kernels)"}
     else:
         raise ForgeError(f"quantize.options.method {method!r} is not known for int4_wo; use hqq, rtn, fit or gptq")
-    if lm8:
-        import onnx
-        m = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
-        _nbits(m, out_dir, excluded, bits=8, block=block, sym=_lm_head8_symmetric(o), acc=o.accuracy_level,
-               include=lm8)
+    import onnx
+    m = onnx.load(str(out_dir / MODEL_FILE), load_external_data=True)
+    if lm8:   # the 8-bit lm_head, then the packing, in the one save
+        lm = _nbits(m, out_dir, excluded, bits=8, block=block, sym=_lm_head8_symmetric(o), acc=o.accuracy_level,
+                    include=lm8, pack=True)
+        info.update({k: v for k, v in lm.items() if k.startswith("packed_")})
         info["lm_head"] = "int8 blockwise (MatMulNBits 8-bit)"
+    else:
+        packed = _pack_projections(m)
+        if any(packed.values()):
+            _save(m, out_dir)
+        info.update(packed)
     return info
 
 

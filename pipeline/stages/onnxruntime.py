@@ -155,7 +155,7 @@ def simulation_problems(r) -> list[str]:
 class OrtQuantize(Stage):
     """ONNX Runtime quantization (INT8 / INT4 weight-only), calibrated on the recipe's data."""
     name = "quantize"
-    version = "9"   # 9: int8 blockwise packs gate/up too (one MatMulNBits and a Split; the same logits); 8: int8 blockwise packs q/k/v (pipeline/ort/pack_qkv.py; the same logits); 7: int8 per_token and options.prefill (the U8U8 session option only where u8 x s8 saturates); 6: int4_wo's lm_head_bits applies to an untied lm_head too (one rule for both quantizers and the simulation); 5: the engine metadata records batch_invariant (issue 28); 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
+    version = "10"  # 10: int4_wo packs q/k/v and gate/up too (zero points padded per row concatenate whole); 9: int8 blockwise packs gate/up too (one MatMulNBits and a Split; the same logits); 8: int8 blockwise packs q/k/v (pipeline/ort/pack_qkv.py; the same logits); 7: int8 per_token and options.prefill (the U8U8 session option only where u8 x s8 saturates); 6: int4_wo's lm_head_bits applies to an untied lm_head too (one rule for both quantizers and the simulation); 5: the engine metadata records batch_invariant (issue 28); 2: int4_wo defaults to HQQ with an 8-bit lm_head; 3: quantize.alpha applies (as smoothquant_alpha); 4: int8 dynamic weights 7-bit (reduce_range, issue 11)
     needs = ("export", "source")
     tools = ("onnx", "onnxruntime", "torch")
 

@@ -24,6 +24,15 @@ def _packed_copy(src, dst, pack=None):
     return n, m
 
 
+def _unpacked_int4(src, dst, monkeypatch, **options):
+    """An int4_wo graph as ORT's quantizer leaves it: the quantize stage's own packing turned off."""
+    from pipeline.ort.quantize import quantize_onnx
+    with monkeypatch.context() as mp:
+        mp.setattr("pipeline.ort.quantize._pack_projections", lambda model: {})
+        quantize_onnx(src, dst, algo="int4_wo", options=options)
+    return dst
+
+
 def _same_engine(a_dir, b_dir, atol):
     from pipeline.ort.engine import OrtEngine
     ids = np.random.default_rng(0).integers(3, 256, size=(2, 20))
@@ -42,10 +51,8 @@ def test_packs_every_attention_of_a_matmul_graph_without_changing_logits(tiny_on
     _same_engine(tiny_onnx_dir, tmp_path / "packed", atol=1e-4)
 
 
-def test_packs_matmulnbits_int4_without_changing_logits(tiny_onnx_dir, tmp_path):
-    from pipeline.ort.quantize import quantize_onnx
-    q = tmp_path / "int4"
-    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32})
+def test_packs_matmulnbits_int4_without_changing_logits(tiny_onnx_dir, tmp_path, monkeypatch):
+    q = _unpacked_int4(tiny_onnx_dir, tmp_path / "int4", monkeypatch, block_size=32)
     n, m = _packed_copy(q, tmp_path / "packed")
     assert n == 2
     packed = [x for x in m.graph.node if x.op_type == "MatMulNBits" and x.name.endswith("_qkv")]
@@ -54,11 +61,9 @@ def test_packs_matmulnbits_int4_without_changing_logits(tiny_onnx_dir, tmp_path)
     _same_engine(q, tmp_path / "packed", atol=1e-4)
 
 
-def test_packs_rtn_int4_with_integer_zero_points_without_changing_logits(tiny_onnx_dir, tmp_path):
+def test_packs_rtn_int4_with_integer_zero_points_without_changing_logits(tiny_onnx_dir, tmp_path, monkeypatch):
     """Round-to-nearest int4: uint8 zero points, two per byte, by row of N (2 blocks per row here: no padding)."""
-    from pipeline.ort.quantize import quantize_onnx
-    q = tmp_path / "rtn"
-    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
+    q = _unpacked_int4(tiny_onnx_dir, tmp_path / "rtn", monkeypatch, block_size=32, method="rtn")
     n, m = _packed_copy(q, tmp_path / "packed")
     assert n == 2
     _same_engine(q, tmp_path / "packed", atol=1e-4)
@@ -87,15 +92,13 @@ def test_converted_fp16_graph_is_packed_and_fused(tiny_onnx_dir, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["rtn", "hqq"])
-def test_packs_gate_and_up_of_int4_graphs_into_one_kernel_and_a_split(method, tiny_onnx_dir, tmp_path):
+def test_packs_gate_and_up_of_int4_graphs_into_one_kernel_and_a_split(method, tiny_onnx_dir, tmp_path, monkeypatch):
     """Integer (rtn: uint8, two per byte) and float (hqq) zero points: rows of N concatenated, a Split gives each
     projection's output its old name; the logits are bitwise equal. After pack_qkv nothing else is paired."""
     import onnx
     from pipeline.ort.engine import OrtEngine
     from pipeline.ort.pack_qkv import pack_gate_up, pack_qkv
-    from pipeline.ort.quantize import quantize_onnx
-    q = tmp_path / method
-    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": method})
+    q = _unpacked_int4(tiny_onnx_dir, tmp_path / method, monkeypatch, block_size=32, method=method)
     n, m = _packed_copy(q, tmp_path / "packed", pack=lambda m: (pack_qkv(m), pack_gate_up(m)))
     assert n == (2, 2)
     fused = [x for x in m.graph.node if x.op_type == "MatMulNBits" and x.name.endswith("_gate_up")]
@@ -108,16 +111,14 @@ def test_packs_gate_and_up_of_int4_graphs_into_one_kernel_and_a_split(method, ti
     _same_engine(q, tmp_path / "packed", atol=0)
 
 
-def test_gate_up_packing_leaves_what_it_cannot_pair(tiny_onnx_dir, tmp_path):
+def test_gate_up_packing_leaves_what_it_cannot_pair(tiny_onnx_dir, tmp_path, monkeypatch):
     """A plain MatMul graph (nothing to pair), a pair whose output is also a graph output, and a pair of different
     block sizes are left as they are."""
     import onnx
     from onnx import helper
     from pipeline.ort.pack_qkv import pack_gate_up
-    from pipeline.ort.quantize import quantize_onnx
     assert pack_gate_up(onnx.load(str(tiny_onnx_dir / "model.onnx"))) == 0
-    q = tmp_path / "rtn"
-    quantize_onnx(tiny_onnx_dir, q, algo="int4_wo", options={"block_size": 32, "method": "rtn"})
+    q = _unpacked_int4(tiny_onnx_dir, tmp_path / "rtn", monkeypatch, block_size=32, method="rtn")
     m = onnx.load(str(q / "model.onnx"))
     readers = {}
     for x in m.graph.node:
@@ -128,3 +129,36 @@ def test_gate_up_packing_leaves_what_it_cannot_pair(tiny_onnx_dir, tmp_path):
     m.graph.output.append(helper.make_tensor_value_info(pairs[0][0].output[0], onnx.TensorProto.FLOAT, None))
     next(a for a in pairs[1][1].attribute if a.name == "block_size").i = 64
     assert pack_gate_up(m) == 0
+
+
+def test_packs_int4_whose_zero_points_end_a_row_in_half_a_byte(tiny_onnx_dir, tmp_path, monkeypatch):
+    """Block 64 over K 64: one 4-bit zero point per row, padded to a byte. Rows concatenate whole (the pack used to
+    refuse such graphs, which left the int4 `offsets` recipe, 19 blocks per row, with no packing at all)."""
+    from pipeline.ort.engine import OrtEngine
+    from pipeline.ort.pack_qkv import pack_gate_up, pack_qkv
+    q = _unpacked_int4(tiny_onnx_dir, tmp_path / "rtn64", monkeypatch, block_size=64, method="rtn")
+    n, m = _packed_copy(q, tmp_path / "packed", pack=lambda m: (pack_qkv(m), pack_gate_up(m)))
+    assert n == (2, 2)
+    ids = np.random.default_rng(6).integers(3, 256, (2, 13))
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
+                                  OrtEngine(q, threads=1).logits(ids))
+
+
+@pytest.mark.parametrize("options", [{"method": "offsets"}, {"method": "rtn", "lm_head_bits": 4},
+                                     {"method": "hqq"}])
+def test_the_int4_quantizer_packs_its_own_graph_with_the_same_logits(options, tiny_onnx_dir, tmp_path, monkeypatch):
+    """quantize_onnx int4_wo packs q/k/v and gate/up in every route (8-bit lm_head or not), and the packed engine
+    computes bitwise what the unpacked one does."""
+    from pipeline.ort.engine import OrtEngine
+    from pipeline.ort.quantize import quantize_onnx
+    calib = np.random.default_rng(0).integers(3, 256, (4, 32))
+    info = quantize_onnx(tiny_onnx_dir, tmp_path / "packed", algo="int4_wo", calib_windows=calib,
+                         options={"block_size": 32, **options})
+    assert info["packed_qkv"] == 2 and info["packed_gate_up"] == 2
+    with monkeypatch.context() as mp:
+        mp.setattr("pipeline.ort.quantize._pack_projections", lambda model: {})
+        quantize_onnx(tiny_onnx_dir, tmp_path / "plain", algo="int4_wo", calib_windows=calib,
+                      options={"block_size": 32, **options})
+    ids = np.random.default_rng(8).integers(3, 256, (2, 10))
+    np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
+                                  OrtEngine(tmp_path / "plain", threads=1).logits(ids))

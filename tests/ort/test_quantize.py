@@ -134,7 +134,9 @@ def test_int4_fitted_methods_write_the_fast_layout_and_beat_rtn(tiny_onnx_dir, t
     assert m["output_error_vs_rtn"]["median"] < 0.95 and m["output_error_vs_rtn"]["max"] <= 1.0 + 1e-6
     nodes = _nbits_nodes(tmp_path / method)
     four = [(n, a, i) for n, a, i in nodes if a["bits"] == 4]
-    assert len(four) == 2 * 7 and len(nodes) == 2 * 7 + 1            # the untied lm_head stays 8-bit
+    # per layer q/k/v packed into one, gate/up into one (pipeline/ort/pack_qkv.py): 4 kernels for 7 weights;
+    # the untied lm_head stays 8-bit
+    assert len(four) == 2 * 4 and len(nodes) == 2 * 4 + 1 and m["packed_qkv"] == m["packed_gate_up"] == 2
     for n, a, inits in four:
         assert a["accuracy_level"] == 4 and a["block_size"] == 32
         assert len(n.input) >= 4 and inits[n.input[3]].data_type == onnx.TensorProto.UINT8

@@ -260,10 +260,25 @@ def test_fp16_graph_on_cpu_provider_close_to_fp32(tiny_onnx_dir, tiny_fp16_dir):
 # ---------------------------------------------------------------- fixed-shape decode (what a CUDA graph replays)
 def test_static_decode_matches_dynamic_decode(tiny_onnx_dir):
     from pipeline.ort.engine import OrtEngine
-    dyn = OrtEngine(tiny_onnx_dir, threads=1)
+    dyn = OrtEngine(tiny_onnx_dir, threads=1, static_decode=False)
     sta = OrtEngine(tiny_onnx_dir, threads=1, static_decode=True)
     for prompts, n in ((PROMPTS, 12), (PROMPTS[:1], 5), (PROMPTS, 70)):   # 70: a second, larger KV capacity
         assert sta.generate_batch(prompts, n) == dyn.generate_batch(prompts, n)
+    # the step logits too, bitwise: the fixed-width mask only changes what the op is told the total length is
+    a, b = dyn.cache(2, 64), sta.cache(2, 64)
+    ids = np.array([PROMPTS[0][:4], PROMPTS[1][:4]])
+    dyn.forward(ids, np.array([4, 3]), a), sta.forward(ids, np.array([4, 3]), b)
+    np.testing.assert_array_equal(sta.decode(np.array([7, 9]), b), dyn.decode(np.array([7, 9]), a))
+
+
+def test_cpu_engines_decode_at_a_fixed_shape_by_default(tiny_onnx_dir, tiny_onnx_standard_dir):
+    """The shared-KV graph on the CPU decodes through the fixed-shape path (5-9 % faster: no mask of a new width
+    bound per step); the concatenating graph cannot, and asking for it there is an error."""
+    from pipeline.ort.engine import OrtEngine
+    assert OrtEngine(tiny_onnx_dir, threads=1).static_decode is True
+    assert OrtEngine(tiny_onnx_standard_dir, threads=1).static_decode is False
+    with pytest.raises(ValueError, match="needs the shared-KV"):
+        OrtEngine(tiny_onnx_standard_dir, threads=1, static_decode=True)
 
 
 def _in_flight_equals_alone(eng):

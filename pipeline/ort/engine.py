@@ -364,13 +364,10 @@ class OrtEngine:
         self._pad = None
         self._caches: dict[int, KVCache] = {}
         self._steps: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, ort.OrtValue]] = {}
-        # fixed-shape decode (what a CUDA graph replays): on by itself with cuda_graph, and on the CPU with the shared
-        # KV layout, where rebinding a mask of a new width every step cost 5-9 % of decode (SmolLM2 INT8, b1 and
-        # b8, paired, x86_64-avx512vnni; a 1,024-position cache decodes as fast as a 128 one, so the fixed
-        # [B, capacity] mask costs nothing: GroupQueryAttention reads each row's length, not the mask's width)
-        if static_decode is None:
-            static_decode = self.cuda_graph or (device == "cpu" and self.layout == "shared")
-        self.static_decode = bool(static_decode)
+        # fixed-shape decode (what a CUDA graph replays); on by itself with cuda_graph, testable on the CPU alone
+        # (on the CPU it is not faster: dynamic 1.07x static at decode b1, 1.02x at b8, SmolLM2 INT8, 10 rounds in
+        # alternating order, x86_64-avx512vnni)
+        self.static_decode = self.cuda_graph if static_decode is None else bool(static_decode)
         if self.static_decode and self.layout != "shared":
             raise ValueError("fixed-shape decode (cuda_graph) needs the shared-KV (GroupQueryAttention) graph")
         self._graphs = 0   # CUDA graphs captured (each decode_static cache has its own gpu_graph_id)

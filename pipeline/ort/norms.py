@@ -9,8 +9,9 @@ pattern (onnxruntime/python/tools/transformers/fusion_simplified_layernorm.py, `
 - ``fuse_rms_norms``: each RMSNorm -> ``SimplifiedLayerNormalization`` (fp32 statistics, ``stash_type`` 1). Used by
   the fp16 conversion (pipeline.ort.fp16) and here.
 - ``fuse_cpu_norms``: for CPU graphs, also residual ``Add`` + norm -> ``SkipSimplifiedLayerNormalization`` (the sum
-  goes on through its fourth output), the layout ORT GenAI's model builder writes for the CPU. In SmolLM2 a decode
-  step of the default INT8 engine ran 738 nodes and runs 342 (312 with gate/up packed). Not on CUDA fp16: that kernel sums x^2 in fp16 (pipeline.ort.fp16).
+  goes on through its fourth output), the layout ORT GenAI's model builder writes for the CPU. A decode step of
+  the default INT8 engine ran 738 nodes and runs 342 (312 with gate/up packed). Not on CUDA fp16: that kernel sums
+  x^2 in fp16 (pipeline.ort.fp16).
 
 Only the graph is parsed and rewritten: the weights' data files are copied byte for byte, never loaded, so the pass
 costs no memory for the model's size.
@@ -87,8 +88,9 @@ def _copy_data(src: Path, dst: Path) -> None:
 
 def fuse_cpu_norms(in_dir: str | Path, out_dir: str | Path) -> dict:
     """Each graph of ``in_dir`` with its RMSNorms fused for the CPU provider, written to ``out_dir`` with the
-    weights' data files copied as they are (never parsed) and the side files copied. Returns ``{graph: {"rms_norms": n, "skip_norms": m,
-    "nodes_before": a, "nodes_after": b}}``; a graph with no norm to fuse is written unchanged."""
+    weights' data files copied as they are (never parsed) and the side files copied. Returns
+    ``{graph: {"rms_norms": n, "skip_norms": m, "nodes_before": a, "nodes_after": b}}``; a graph with no norm to
+    fuse is written unchanged."""
     import onnx
     from onnxruntime.transformers.fusion_skiplayernorm import FusionSkipLayerNormalization
     from onnxruntime.transformers.onnx_model import OnnxModel

@@ -103,7 +103,8 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
               for prompt_graph in ([False, True] if len(graphs) > 1 else [True])]
     metrics = dict(next((c for c in checks if not _passes(c, quantized, check_atol)), checks[0]))
     metrics.update({"checks": checks if len(checks) > 1 else None, "level": level, "threads": threads,
-                    "optimize_s": round(opt_s, 2), "provider": provider, "graphs": graphs, "fused_norms": fused_norms, "ops_before": _op_counts(src), "ops_after": _op_counts(dst),
+                    "optimize_s": round(opt_s, 2), "provider": provider, "graphs": graphs,
+                    "fused_norms": fused_norms, "ops_before": _op_counts(src), "ops_after": _op_counts(dst),
                     "model_bytes": model_bytes(out_dir),
                     "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1,
                                         "graph_optimization_level": level}})

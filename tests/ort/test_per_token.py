@@ -157,8 +157,9 @@ def test_a_blockwise_engine_with_a_per_token_prompt_graph(tiny_onnx_dir, tmp_pat
     assert [c["check_graph"] for c in m["checks"]] == ["model", "prompt"]
     assert all(c["check_cosine"] > 0.999 for c in m["checks"])
     # both graphs had their norms fused (2 layers x 2 + the final one; all but the first read a residual add)
-    assert m["fused_norms"] == {g: {"rms_norms": 5, "skip_norms": 4, "nodes_before": m["fused_norms"][g]["nodes_before"],
-                                    "nodes_after": m["fused_norms"][g]["nodes_after"]} for g in m["graphs"]}
+    assert sorted(m["fused_norms"]) == m["graphs"]
+    assert all(f["rms_norms"] == 5 and f["skip_norms"] == 4 and f["nodes_after"] < f["nodes_before"]
+               for f in m["fused_norms"].values())
     assert ops("model.onnx") >= {"Pow", "Reciprocal"} and "SkipSimplifiedLayerNormalization" not in ops("model.onnx")
     for f in ("model.onnx", "prefill.onnx"):
         fused = {n.op_type for n in onnx.load(str(out / f), load_external_data=False).graph.node}

@@ -220,7 +220,10 @@ class OrtBuildStage(CudaAware, Stage):
         return r.build.onnxruntime.build_config()   # CPU recipes' keys as before provider/precision existed
 
     def output_bytes(self, r, info, inputs):
-        return payload_bytes(inputs["quantize"]) if "quantize" in inputs else None
+        if "quantize" not in inputs:
+            return None
+        # the engine, and on the CPU a copy of the graph with its norms fused while ORT optimises it (ort/norms.py)
+        return payload_bytes(inputs["quantize"]) * (1 if on_cuda(r) else 2)
 
     def hardware(self, r):
         if on_cuda(r):   # the graph the CUDA provider optimised (fusions) for this GPU

@@ -106,3 +106,15 @@ def test_the_norm_pass_refuses_a_graph_that_points_outside_its_directory(tiny_on
     onnx.save_model(g, str(src / "model.onnx"))
     with pytest.raises(ValueError, match="points outside its directory"):
         fuse_cpu_norms(src, tmp_path / "fused")
+
+
+def test_the_cpu_build_asks_room_for_the_fused_copy_and_the_engine(tmp_path):
+    """Free space is checked before a stage runs: on the CPU the build writes the norm-fused copy of the graph
+    and the engine, twice the quantized payload; on CUDA only the engine."""
+    from pipeline.recipe import resolve
+    from pipeline.stages.onnxruntime import OrtBuildStage
+    (tmp_path / "model.onnx.data").write_bytes(b"\0" * 1000)
+    stage = OrtBuildStage()
+    assert stage.output_bytes(resolve("smollm2-135m-int8"), None, {"quantize": tmp_path}) == 2000
+    cuda = resolve("smollm2-135m-cuda-fp32")
+    assert stage.output_bytes(cuda, None, {"quantize": tmp_path}) == 1000

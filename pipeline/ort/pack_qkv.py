@@ -35,6 +35,14 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _drop_unused_initializers(g) -> None:
+    """The weights the packed node replaced: nothing reads them any more."""
+    used = {i for n in g.node for i in n.input}
+    for init in list(g.initializer):
+        if init.name not in used:
+            g.initializer.remove(init)
+
+
 def pack_qkv(model) -> int:
     """Rewrite ``model`` (an ``onnx.ModelProto`` loaded with its external data) in place; returns the number of
     attentions packed."""
@@ -96,10 +104,7 @@ def pack_qkv(model) -> int:
         att.input[0], att.input[1], att.input[2] = out, "", ""
         packed += 1
     if packed:
-        used = {i for n in g.node for i in n.input}
-        for init in list(g.initializer):
-            if init.name not in used:
-                g.initializer.remove(init)
+        _drop_unused_initializers(g)
     return packed
 
 
@@ -154,8 +159,5 @@ def pack_gate_up(model) -> int:
         g.node.insert(at, node)
         packed += 1
     if packed:
-        used = {i for n in g.node for i in n.input}
-        for init in list(g.initializer):
-            if init.name not in used:
-                g.initializer.remove(init)
+        _drop_unused_initializers(g)
     return packed

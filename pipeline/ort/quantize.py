@@ -95,9 +95,9 @@ def _save(model, out_dir: Path, name: str = MODEL_FILE) -> Path:
 def _pack_projections(model) -> dict:
     """``model``'s q/k/v MatMulNBits of each attention packed into one, then each MLP's gate and up into one and a
     Split, in place (pipeline/ort/pack_qkv.py): the same dot products (logits bitwise equal), three fewer kernel
-    calls per layer and decode step. Measured on SmolLM2's blockwise INT8 (x86_64-avx512vnni, lab): q/k/v +6-14 %
-    decode b1 (three rounds), gate/up a further 1.15x b1 and 1.08x b8 (paired, 8 rounds in alternating order,
-    docs/search.md). Returns the counts packed."""
+    calls per layer and decode step. Measured on SmolLM2's blockwise INT8 (x86_64-avx512vnni, lab, paired, 8 rounds
+    in alternating order, docs/search.md): q/k/v 1.06x decode b1 and 1.02x b8, gate/up a further 1.15x b1 and 1.08x
+    b8. Returns the counts packed."""
     from .pack_qkv import pack_gate_up, pack_qkv
     return {"packed_qkv": pack_qkv(model), "packed_gate_up": pack_gate_up(model)}
 

@@ -402,6 +402,14 @@ def model_bytes(model_dir: str | Path) -> int:
     return sum(f.stat().st_size for f in d.iterdir() if f.name.endswith((".onnx", ".onnx.data", ".data")))
 
 
+def graph_files(model_dir: str | Path) -> list[str]:
+    """The ONNX graphs of an engine dir: ``model.onnx`` and the prompt graph its metadata names, if any
+    (quantize.options.prefill)."""
+    meta_path = Path(model_dir) / META_FILE
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    return [MODEL_FILE] + ([meta["prefill_model_file"]] if meta.get("prefill_model_file") else [])
+
+
 def load_meta(model_dir: str | Path) -> dict[str, Any]:
     f = Path(model_dir) / META_FILE
     if not f.exists():

@@ -19,14 +19,13 @@ costs no memory for the model's size.
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import Counter
 from pathlib import Path
 
-from .export import META_FILE, MODEL_FILE, copy_side_files
+from .export import copy_side_files, graph_files
 
-__all__ = ["fuse_rms_norms", "fuse_cpu_norms", "graph_files"]
+__all__ = ["fuse_rms_norms", "fuse_cpu_norms"]
 
 # external tensors smaller than this are read into the graph: the fusions read the norms' constants (eps, the
 # exponent 2) and the shape inference their small shape tensors
@@ -44,13 +43,6 @@ def fuse_rms_norms(om) -> int:
     FusionSimplifiedLayerNormalization(om).apply()
     om.prune_graph()
     return sum(n.op_type == "SimplifiedLayerNormalization" for n in om.model.graph.node)
-
-
-def graph_files(model_dir: str | Path) -> list[str]:
-    """The ONNX graphs of an engine dir: ``model.onnx`` and the prompt graph its metadata names, if any."""
-    meta_path = Path(model_dir) / META_FILE
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    return [MODEL_FILE] + ([meta["prefill_model_file"]] if meta.get("prefill_model_file") else [])
 
 
 def _inline_small_external(model, base: Path) -> set[str]:

@@ -20,8 +20,8 @@ from pipeline.errors import ForgeError, StageFailed
 from pipeline.host.rss import trim_heap
 
 from .engine import OrtEngine, inference_session, session_options
-from .export import META_FILE, MODEL_FILE, copy_side_files, model_bytes
-from .norms import fuse_cpu_norms, graph_files
+from .export import META_FILE, MODEL_FILE, copy_side_files, graph_files, model_bytes
+from .norms import fuse_cpu_norms
 
 __all__ = ["optimize", "LEVELS", "PROVIDERS"]
 

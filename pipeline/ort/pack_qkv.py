@@ -43,6 +43,36 @@ def _drop_unused_initializers(g) -> None:
             g.initializer.remove(init)
 
 
+def _packed_nbits(nodes, inits) -> tuple[dict, dict] | None:
+    """One weight-only MatMulNBits over ``nodes``' weights, rows of N concatenated: ({input position: (key,
+    array)}, attributes), or None when they cannot be one (other attributes, ``g_idx``/bias inputs, inputs present
+    in one and not another, weights not in the graph)."""
+    from onnx import numpy_helper
+
+    ats = [_attrs(p) for p in nodes]
+    if any(len(p.input) > 4 or any(i not in inits for i in p.input[1:] if i) for p in nodes) or \
+            len({tuple(bool(i) for i in p.input) for p in nodes}) != 1 or \
+            any(tuple(a.get(k) for k in _NBITS_SAME) != tuple(ats[0].get(k) for k in _NBITS_SAME) for a in ats):
+        return None
+    tensors = {}
+    for j, key in enumerate(("B", "scales", "zero_points"), start=1):
+        if j < len(nodes[0].input) and nodes[0].input[j]:
+            tensors[j] = (key, np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in nodes], axis=0))
+    return tensors, {**ats[0], "N": int(sum(a["N"] for a in ats))}
+
+
+def _add_initializers(g, tensors: dict, prefix: str) -> list[str]:
+    """``tensors`` ({input position: (key, array)}) as initializers named ``prefix_key``: the node's weight inputs,
+    in place (position 1 first; "" where an optional input is absent)."""
+    from onnx import numpy_helper
+
+    inputs = [""] * max(tensors)
+    for j, (key, arr) in tensors.items():
+        inputs[j - 1] = f"{prefix}_{key}"
+        g.initializer.append(numpy_helper.from_array(arr, inputs[j - 1]))
+    return inputs
+
+
 def pack_qkv(model) -> int:
     """Rewrite ``model`` (an ``onnx.ModelProto`` loaded with its external data) in place; returns the number of
     attentions packed."""
@@ -73,27 +103,16 @@ def pack_qkv(model) -> int:
             ws = [numpy_helper.to_array(inits[p.input[1]]) for p in projs]
             if any(w.ndim != 2 or w.shape[0] != ws[0].shape[0] or w.dtype != ws[0].dtype for w in ws):
                 continue
-            tensors = {"w": np.concatenate(ws, axis=1)}
-            attrs = {}
+            tensors, attrs = {1: ("w", np.concatenate(ws, axis=1))}, {}
         elif op == "MatMulNBits":
-            ats = [_attrs(p) for p in projs]
-            if any(len(p.input) > 4 or any(i not in inits for i in p.input[1:] if i) for p in projs) or \
-                    len({len(p.input) for p in projs}) != 1 or \
-                    any(tuple(a.get(k) for k in _NBITS_SAME) != tuple(ats[0].get(k) for k in _NBITS_SAME) for a in ats):
+            packable = _packed_nbits(projs, inits)
+            if packable is None:
                 continue
-            tensors = {}
-            for j, key in enumerate(("B", "scales", "zero_points"), start=1):
-                if j < len(projs[0].input) and projs[0].input[j]:
-                    tensors[key] = np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in projs], axis=0)
-            attrs = {**ats[0], "N": int(sum(a["N"] for a in ats))}
+            tensors, attrs = packable
         else:
             continue
         base = projs[0].name or att.name
-        names = []
-        for key, arr in tensors.items():
-            name = f"{base}_qkv_{key}"
-            g.initializer.append(numpy_helper.from_array(arr, name))
-            names.append(name)
+        names = _add_initializers(g, tensors, f"{base}_qkv")
         out = f"{projs[0].output[0]}_qkv"
         node = helper.make_node(op, [projs[0].input[0], *names], [out], name=f"{base}_qkv",
                                 domain=projs[0].domain, **attrs)
@@ -129,27 +148,18 @@ def pack_gate_up(model) -> int:
     for x, pair in readers.items():
         if len(pair) != 2:
             continue
-        ats = [_attrs(p) for p in pair]
-        if any(len(p.input) > 4 or any(i not in inits for i in p.input[1:] if i) for p in pair) or \
-                len({len(p.input) for p in pair}) != 1 or \
-                [bool(i) for i in pair[0].input] != [bool(i) for i in pair[1].input] or \
-                any(p.output[0] in outputs for p in pair) or \
-                tuple(ats[0].get(k) for k in _NBITS_SAME) != tuple(ats[1].get(k) for k in _NBITS_SAME):
+        packable = _packed_nbits(pair, inits)
+        if packable is None or any(p.output[0] in outputs for p in pair):
             continue
-        names = [""] * (len(pair[0].input) - 1)
-        tensors = {}
-        for j, key in enumerate(("B", "scales", "zero_points"), start=1):
-            if j < len(pair[0].input) and pair[0].input[j]:
-                tensors[j] = (key, np.concatenate([numpy_helper.to_array(inits[p.input[j]]) for p in pair], axis=0))
+        tensors, attrs = packable
         base = pair[0].name or f"gate_up_{packed}"
-        for j, (key, arr) in tensors.items():
-            names[j - 1] = f"{base}_gate_up_{key}"
-            g.initializer.append(numpy_helper.from_array(arr, names[j - 1]))
+        names = _add_initializers(g, tensors, f"{base}_gate_up")
         both = f"{pair[0].output[0]}_gate_up"
         sizes = f"{base}_gate_up_split"
-        g.initializer.append(numpy_helper.from_array(np.array([ats[0]["N"], ats[1]["N"]], np.int64), sizes))
+        halves = [_attrs(p)["N"] for p in pair]
+        g.initializer.append(numpy_helper.from_array(np.array(halves, np.int64), sizes))
         node = helper.make_node("MatMulNBits", [x, *names], [both], name=f"{base}_gate_up", domain=pair[0].domain,
-                                **{**ats[0], "N": int(ats[0]["N"] + ats[1]["N"])})
+                                **attrs)
         split = helper.make_node("Split", [both, sizes], [pair[0].output[0], pair[1].output[0]],
                                  name=f"{base}_gate_up_split", axis=-1)
         at = min(list(g.node).index(p) for p in pair)

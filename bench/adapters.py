@@ -46,6 +46,10 @@ class OursAdapter:
     def generate(self, ids: np.ndarray, n: int):
         return self.engine.generate(_row(ids), max_new_tokens=n, greedy=True)
 
+    def logits(self, ids) -> np.ndarray:
+        """[B, T, V] for ids [B, T] (bench/gates.py scores a peer run by our runtime with it)."""
+        return self.engine.logits(np.asarray(ids, dtype=np.int64))
+
     def _gen_batch(self, ids: np.ndarray, n: int):
         return self.engine.generate_batch([_row(r) for r in np.asarray(ids)], max_new_tokens=n, greedy=True)
 

@@ -279,7 +279,7 @@ class LlamaCppAdapter:
     def __init__(self, name: str, path: str, threads: int, n_ctx: int = 1024):
         from llama_cpp import Llama
 
-        self.name = name
+        self.name, self.path, self.n_ctx, self.threads, self._all = name, path, n_ctx, threads, None
         self.llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
                          n_threads_batch=threads, verbose=False)
         self.what = f"llama-cpp-python {_version('llama-cpp-python')} on {Path(path).name}, {threads} threads"
@@ -288,6 +288,21 @@ class LlamaCppAdapter:
         assert ids.shape[0] == 1
         self.llm.reset()
         self.llm.eval([int(x) for x in ids[0]])
+
+    def logits(self, ids) -> np.ndarray:
+        """[B, T, V], one row at a time, from a second Llama that keeps every position's logits (``logits_all``
+        would slow the speed figures' prefill, so the timed instance does not)."""
+        if self._all is None:
+            from llama_cpp import Llama
+
+            self._all = Llama(model_path=self.path, n_ctx=self.n_ctx, n_batch=512, n_ubatch=512,
+                              n_threads=self.threads, n_threads_batch=self.threads, logits_all=True, verbose=False)
+        rows = []
+        for row in np.asarray(ids):
+            self._all.reset()
+            self._all.eval([int(x) for x in row])
+            rows.append(np.array(self._all.scores[:len(row)], np.float32))
+        return np.stack(rows)
 
     def generate(self, ids: np.ndarray, n: int):
         out = []
@@ -346,6 +361,11 @@ class OgaAdapter:
 
     def prefill(self, ids: np.ndarray):
         self._start(ids, 1)
+
+    def logits(self, ids) -> np.ndarray:
+        """[B, T, V]: GenAI's logits output of the prompt's forward pass (all positions)."""
+        g = self._start(np.asarray(ids), 1)
+        return np.asarray(g.get_output("logits"), np.float32)
 
     def _generate(self, ids: np.ndarray, n: int):
         # each generate_next_token picks a token from the current logits (the first costs no forward pass);

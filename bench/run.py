@@ -148,6 +148,15 @@ def worker(spec_path: str) -> None:
                                                    flush=True))
     res.update(kind=spec["kind"], path=spec["path"], load_s=load_s, size_bytes=dir_size(spec["path"]),
                peak_rss_bytes=process_peak_rss_bytes(), note=spec.get("note"))
+    if spec.get("gates"):   # after the peak RSS is read: the FP32 reference is not the peer's memory
+        from bench.gates import score_against_fp32
+
+        print(f"  [{time.strftime('%H:%M:%S')}] {spec['name']} accuracy vs FP32 ({spec['gates']['recipe']}'s "
+              f"eval sets)", file=sys.stderr, flush=True)
+        try:
+            res["gates"] = score_against_fp32(ad.logits, spec["hf_dir"], spec["gates"])
+        except Exception as e:  # noqa: BLE001 - the speed figures stand; the table says why accuracy is missing
+            res["gates"] = {"error": f"{type(e).__name__}: {e}"[-500:]}
     Path(spec["result"]).write_text(json.dumps(res, indent=1))
 
 
@@ -176,6 +185,33 @@ def _fmt(v, kind="num"):
     if kind == "ms":
         return f"{v * 1000:,.0f} ms"
     return f"{v:,.1f}"
+
+
+def _gate_cells(g: dict | None) -> list[str]:
+    """ppl vs FP32, top-1, verdict: the cells of one row's accuracy (bench/gates.py)."""
+    if not g:
+        return ["n/a", "n/a", "not scored"]
+    if "error" in g:
+        return ["n/a", "n/a", f"not scored: {g['error']}"]
+    verdict = "passes" if g["passed"] else "**fails**: " + "; ".join(g["failed"][:3]) + \
+        (f" (+{len(g['failed']) - 3} more)" if len(g["failed"]) > 3 else "")
+    ppl, top1 = g.get("ppl_delta_pct"), g.get("top1_agreement")
+    return [f"{ppl:+.2f} %" if ppl is not None else "n/a", f"{top1:.3f}" if top1 is not None else "n/a", verdict]
+
+
+def fastest(results: dict, metric: str) -> dict:
+    """The fastest row (ours or peer) for ``metric`` among those that pass the gates, and overall:
+    {"passing": (name, value) | None, "overall": (name, value, passed) | None}."""
+    gates = (results.get("gates") or {}).get("engines") or {}
+    rows = [(f"ours {k}", flat(v).get(metric), (gates.get(k) or {}).get("passed"))
+            for k, v in (results.get("engines") or {}).items() if "error" not in v]
+    rows += [(k, flat(v).get(metric), (v.get("gates") or {}).get("passed"))
+             for k, v in (results.get("peers") or {}).items() if "what" in v]
+    rows = [r for r in rows if r[1] is not None]
+    ok = [r for r in rows if r[2]]
+    best = max(rows, key=lambda r: r[1], default=None)
+    best_ok = max(ok, key=lambda r: r[1], default=None)
+    return {"passing": best_ok[:2] if best_ok else None, "overall": best}
 
 
 def markdown(results: dict) -> str:
@@ -209,6 +245,11 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {name} | " + " | ".join(_fmt(r.get(k), "ratio") for k, _ in METRICS) +
                              f" | {_fmt(r.get('ttft_s'), 'ratio')} | {_fmt(r.get('size_bytes'), 'ratio')} | "
                              f"{_fmt(r.get('peak_rss_bytes'), 'ratio')} |")
+        g = results.get("gates")
+        if g:
+            cells = {c: _gate_cells(g["engines"].get(c)) for c in cols}
+            for i, label in enumerate(("ppl vs FP32", "top-1 vs FP32", "gates")):
+                lines.append(f"| {label} | " + " | ".join(cells[c][i] for c in cols) + " |")
         errs = [f"- {c}: {eng[c]['error']}" for c in cols if "error" in eng[c]]
         skips = [f"- {c}: {v}" for c in cols for v in (eng[c].get("skipped") or {}).values()]
         if errs or skips:
@@ -230,19 +271,40 @@ def markdown(results: dict) -> str:
                       f"wall, exit {w['returncode']}, stage statuses: {w['stage_statuses']}"]
     peers = results.get("peers") or {}
     if peers:
+        blank = " |" * (len(METRICS) + 5)
         lines += ["", "## Peers (same prompt ids, same threads)", "",
-                  "| peer | what ran | " + " | ".join(l for _, l in METRICS) + " | size | peak RSS |",
-                  "|---|---|" + "---|" * (len(METRICS) + 2)]
+                  "| peer | what ran | " + " | ".join(l for _, l in METRICS) +
+                  " | size | peak RSS | ppl vs FP32 | top-1 vs FP32 | gates |",
+                  "|---|---|" + "---|" * (len(METRICS) + 5)]
         for n, p in peers.items():
             if "skipped" in p and isinstance(p["skipped"], str):
-                lines.append(f"| {n} | skipped: {p['skipped']} |" + " |" * (len(METRICS) + 2))
+                lines.append(f"| {n} | skipped: {p['skipped']} |" + blank)
                 continue
             if "error" in p:
-                lines.append(f"| {n} | error: {p['error']} |" + " |" * (len(METRICS) + 2))
+                lines.append(f"| {n} | error: {p['error']} |" + blank)
                 continue
             f = flat(p)
             lines.append(f"| {n} | {p.get('what')} | " + " | ".join(_fmt(f[k]) for k, _ in METRICS) +
-                         f" | {_fmt(f['size_bytes'], 'bytes')} | {_fmt(f['peak_rss_bytes'], 'bytes')} |")
+                         f" | {_fmt(f['size_bytes'], 'bytes')} | {_fmt(f['peak_rss_bytes'], 'bytes')} | " +
+                         " | ".join(_gate_cells(p.get("gates"))) + " |")
+        g = results.get("gates")
+        if g:
+            spec = g["spec"]
+            sets = ", ".join(f"{e['set']}/{e['split']} ({e['samples']} x {e['seq_len']})" for e in spec["eval"])
+            th = spec["thresholds"]
+            lines += ["", f"Accuracy: each row's logits against the FP32 torch model on {spec['recipe']}'s eval sets "
+                          f"({sets}), held to its gates (perplexity <= +{th['ppl_delta_pct_max']} %, top-1 >= "
+                          f"{th['top1_agreement_min']}, pooled and per set); ours from their build reports."]
+            for key, label in METRICS:
+                fr = fastest(results, key)
+                if fr["overall"] is None:
+                    continue
+                ok = f"{fr['passing'][0]} ({_fmt(fr['passing'][1])})" if fr["passing"] else "none"
+                over = fr["overall"]
+                tail = "" if fr["passing"] and over[0] == fr["passing"][0] else \
+                    f"; fastest of all: {over[0]} ({_fmt(over[1])}, " + \
+                    ("passes" if over[2] else "fails the gates" if over[2] is False else "not scored") + ")"
+                lines.append(f"- fastest that passes, {label}: {ok}{tail}")
         if any(results.get("peer_ratios", {}).values()):
             lines += ["", "Peer speed ÷ our engine's speed (>1: the peer is faster):", "",
                       "| peer | vs | " + " | ".join(k for k, _ in METRICS) + " |",
@@ -301,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hf-dir", help="fp32 HF dir (tokenizer, ORT GenAI builder input); default: FORGE_TEST_MODEL")
     ap.add_argument("--out", type=Path, default=Path("bench/out"))
     ap.add_argument("--peers", action="store_true", help="also run llama.cpp and ONNX Runtime GenAI")
+    ap.add_argument("--gate-peers", action=argparse.BooleanOptionalAction, default=True,
+                    help="score each peer's logits against FP32 on our recipe's eval sets and apply its gates "
+                         "(default on; ~1 min a peer on 2 cores)")
     ap.add_argument("--quick", action="store_true", help="2 repetitions, 32 new tokens (a smoke run)")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--threads", type=int)
@@ -362,15 +427,27 @@ def main(argv: list[str] | None = None) -> int:
     if a.warm_rerun and a.from_reports:
         recipes = [json.loads(Path(p).read_text()).get("recipe") for p in reports.values()]
         results["pipeline"]["warm"] = warm_rerun([r for r in recipes if r], a.out / "warm-reports")
+    gate = None
+    if reports:
+        from bench.gates import ours_from_report, spec_from_reports
+
+        gate = spec_from_reports(reports)
+        if gate is not None:
+            results["gates"] = {"spec": gate, "engines": {
+                k: ours_from_report(json.loads(Path(reports[k]).read_text()), gate) for k in reports}}
     if a.peers:
         from bench.peers import peer_plan
 
+        scored = dict(gates=gate, hf_dir=hf_dir) if a.gate_peers and gate is not None and hf_dir else {}
+        if a.gate_peers and not scored:
+            print("[bench] peers' accuracy not scored: it needs a forge report with validate.eval and the fp32 HF "
+                  "dir (--from-reports / --report and --hf-dir)", file=sys.stderr)
         for spec in peer_plan(Path(hf_dir) if hf_dir else None, a.out / "peers", threads, ours=engines):
             if "skipped" in spec:
                 print(f"[bench] peer {spec['name']} skipped: {spec['skipped']}", file=sys.stderr)
                 results["peers"][spec["name"]] = {"skipped": spec["skipped"]}
                 continue
-            results["peers"][spec["name"]] = run_worker(dict(common, **spec), work)
+            results["peers"][spec["name"]] = run_worker(dict(common, **spec, **scored), work)
         for n, p in results["peers"].items():
             if "what" in p:
                 results["peer_ratios"][n] = {k: ratios(p, eng[k]) for k in ("int8", "int4") if k in eng}

@@ -28,6 +28,31 @@ def greedy_by_recompute(cand, prompt_ids: list[int], n: int) -> list[int]:
     return ids[len(prompt_ids):]
 
 
+def score_logits(ref, cand_logits, sets, label: str, *, keep: dict | None = None,
+                 kept: dict | None = None) -> tuple[dict, dict]:
+    """A candidate's logits against the reference's on every eval set: (figures per set, figures pooled over all
+    sets). ``sets``: [(name, ids [N, T])]; ``cand_logits(ids) -> [B, T, V]``. ``keep``: store the candidate's
+    logits per chunk; ``kept``: take them from there instead of running the candidate again. The bench scores its
+    peers with this too (bench/gates.py), so a peer is judged on exactly what gates our engines."""
+    from ..eval.metrics import LogitsComparer
+    per_set = {}
+    total = LogitsComparer()
+    for name, ids in sets:
+        cmp = LogitsComparer()
+        with progress_bar(f"evaluate {name} ({label})", ids.shape[0]) as advance:
+            for s in range(0, ids.shape[0], CHUNK):
+                chunk = ids[s:s + CHUNK]
+                r_l = ref.logits(chunk, desc=label)
+                c_l = kept.pop((name, s)) if kept is not None else cand_logits(chunk)
+                if keep is not None:
+                    keep[(name, s)] = c_l
+                cmp.update(r_l, c_l, chunk)
+                total.update(r_l, c_l, chunk)
+                advance(chunk.shape[0])
+        per_set[name] = cmp.result()
+    return per_set, total.result()
+
+
 class EvaluateBase(Stage):
     version = "1"
     tools = ("torch", "transformers")
@@ -125,22 +150,8 @@ class EvaluateBase(Stage):
         """One reference against the candidate: logits per set and pooled, greedy continuations of the prompts.
         ``keep``: store the candidate's logits per chunk; ``kept``: take them from there instead of running the
         candidate again (``cand_greedy`` likewise for its greedy tokens)."""
-        from ..eval.metrics import LogitsComparer, greedy_match
-        per_set = {}
-        total = LogitsComparer()
-        for name, ids in sets:
-            cmp = LogitsComparer()
-            with progress_bar(f"evaluate {name} ({label})", ids.shape[0]) as advance:
-                for s in range(0, ids.shape[0], CHUNK):
-                    chunk = ids[s:s + CHUNK]
-                    r_l = ref.logits(chunk, desc=label)
-                    c_l = kept.pop((name, s)) if kept is not None else cand.logits(chunk)
-                    if keep is not None:
-                        keep[(name, s)] = c_l
-                    cmp.update(r_l, c_l, chunk)
-                    total.update(r_l, c_l, chunk)
-                    advance(chunk.shape[0])
-            per_set[name] = cmp.result()
+        from ..eval.metrics import greedy_match
+        per_set, total = score_logits(ref, cand.logits, sets, label, keep=keep, kept=kept)
         ref_out, cand_out = [], []
         with progress_bar(f"greedy generation ({label})", len(prompt_ids)) as advance:
             for i, ids in enumerate(prompt_ids):
@@ -153,5 +164,5 @@ class EvaluateBase(Stage):
                         greedy_by_recompute(cand, ids, max_new_tokens)
                     cand_out.append(list(map(int, out)))
                 advance()
-        return {"per_set": per_set, "total": total.result(), "greedy": greedy_match(ref_out, cand_out),
+        return {"per_set": per_set, "total": total, "greedy": greedy_match(ref_out, cand_out),
                 "ref_greedy": ref_out, "cand_greedy": cand_out}

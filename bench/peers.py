@@ -33,7 +33,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # with `pip download --only-binary=:all: llama-cpp-python`: no matching distribution), so installing it compiles
 # llama.cpp (20-30 minutes on 2 cores). It is an optional peer: `pip install -e '.[peers-llama]'` to measure it.
 LLAMA_CPP_MISSING = ("llama-cpp-python is not installed: PyPI has no prebuilt wheel for it (sdist only), so pip would "
-                     "compile llama.cpp (20-30 min on 2 cores); optional peer: pip install -e '.[peers-llama]'")
+                     "compile llama.cpp (20-30 min on 2 cores); optional peer: `make peers-llama` compiles it once "
+                     "into FORGE_HOME/wheels and installs it (the `peers-llama` extra)")
 
 
 def shipped_gguf() -> Path | None:

@@ -371,8 +371,10 @@ class OrtEngine:
         if self.static_decode and self.layout != "shared":
             raise ValueError("fixed-shape decode (cuda_graph) needs the shared-KV (GroupQueryAttention) graph")
         self._graphs = 0   # CUDA graphs captured (each decode_static cache has its own gpu_graph_id)
-        # prefill shapes vary: no CUDA graph. Set on every provider: onnxruntime's python run_with_iobinding reads
-        # this entry per call, and a missing one costs a raised and caught RuntimeError (~0.1 ms a decode step)
+        # prefill shapes vary: no CUDA graph (-1 = kCudaGraphAnnotationSkip, which only disables a capture). Set on
+        # every provider: onnxruntime's python run_with_iobinding reads this entry per call (_graph_annotation_id,
+        # onnxruntime/python/onnxruntime_inference_collection.py, microsoft/onnxruntime@dbbfd9e7), and a missing
+        # one costs a raised and caught RuntimeError (~0.1 ms a decode step)
         self._prefill_opts = ort.RunOptions()
         self._prefill_opts.add_run_config_entry("gpu_graph_id", "-1")
 

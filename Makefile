@@ -86,7 +86,8 @@ bench-gpu: setup
 
 # peers: ORT GenAI (its INT4 builder on the fp32 HF dir the fp32 report names; its runtime on our INT8) and Olive's
 # INT8 passes on our FP32 graph; llama.cpp Q4_1/Q8_0 once `make peers-llama` has run (it compiles llama.cpp once).
-# Each peer is scored against FP32 on the int8 recipe's eval sets and held to its gates (bench/gates.py). Every peer that does not run is listed with the reason (results.md and the last lines printed).
+# Each peer is scored against FP32 on the int8 recipe's eval sets and held to its gates (bench/gates.py). Every
+# peer that does not run is listed with the reason (results.md and the last lines printed).
 bench-peers: setup
 	$(BIN)/python -m pip install -q -e '.[peers]'
 	@# an engine that fails its validation gates is still measured; its report says it failed

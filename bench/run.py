@@ -294,7 +294,9 @@ def markdown(results: dict) -> str:
             th = spec["thresholds"]
             lines += ["", f"Accuracy: each row's logits against the FP32 torch model on {spec['recipe']}'s eval sets "
                           f"({sets}), held to its gates (perplexity <= +{th['ppl_delta_pct_max']} %, top-1 >= "
-                          f"{th['top1_agreement_min']}, pooled and per set); ours from their build reports."]
+                          f"{th['top1_agreement_min']}, pooled and per set); ours from their build reports."
+                          + (f" Gated by the recipe but not scored here (the bench compares logits only): "
+                             f"{', '.join(spec['not_scored'])}." if spec.get("not_scored") else "")]
             for key, label in METRICS:
                 fr = fastest(results, key)
                 if fr["overall"] is None:

@@ -129,6 +129,15 @@ def test_the_fastest_that_passes_is_not_a_faster_peer_that_fails():
     assert "| gates | passes | passes |" in md
 
 
+def test_a_gate_the_bench_cannot_score_is_named():
+    """A recipe that gates greedy matches: the bench compares logits only and says which gate it left out."""
+    spec = gate_spec({"recipe": "smollm2-135m-int8"})
+    assert spec["not_scored"] == []
+    res = _results()
+    res["gates"]["spec"]["not_scored"] = ["greedy_exact_match"]
+    assert "not scored here (the bench compares logits only): greedy_exact_match." in markdown(res)
+
+
 def test_when_nothing_passes_the_table_says_none():
     res = _results()
     res["gates"]["engines"] = {}

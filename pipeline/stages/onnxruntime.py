@@ -332,6 +332,10 @@ class OrtPackage(CudaAware, PackageStage):
             return res, cuda_hardware(), {"provider": b.provider, "precision": b.precision, "cuda_graph": b.cuda_graph}
         return res, "cpu", {}
 
+    def shipped_code(self):
+        from ..triton.repo_onnxruntime import BATCHER_MODULE, DEFAULT_ENGINE_MODULE
+        return super().shipped_code() + [DEFAULT_ENGINE_MODULE, BATCHER_MODULE]
+
     def manifest_extra(self, ctx):
         # what verify-deploy needs to judge the engine on another CPU (pipeline.ort.quantize.isa_accuracy_risk)
         from ..ort.export import META_FILE

@@ -30,6 +30,18 @@ class PackageStage(Stage):
     def output_bytes(self, r, info, inputs):
         return payload_bytes(inputs["build"]) + payload_bytes(inputs["source"]) if "build" in inputs else None
 
+    def shipped_code(self) -> list:
+        """forge's own files the repository carries (the Triton python models; a target adds its runtime modules)."""
+        from ..triton.templates import PY_MODELS
+        return sorted(PY_MODELS.glob("*.py"))
+
+    def components(self, r, home, upstream):
+        # the code copied into the repository is part of what it is: an edit to it re-packages (a version bump was
+        # the only way before, and an engine.py change that forgot one kept serving the old runtime)
+        from ..hashing import file_digest
+        return super().components(r, home, upstream) | {
+            "shipped_code": {f.name: file_digest(f) for f in self.shipped_code()}}
+
     def write_repository(self, ctx: StageContext, evaluation: dict) -> tuple[dict | None, str, dict]:
         """Fill ``ctx.out``; returns (metrics, manifest target: "cpu" or "sm90", build record for the manifest)."""
         raise NotImplementedError

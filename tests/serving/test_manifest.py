@@ -179,3 +179,25 @@ def test_a_missing_empty_version_folder_is_refused(packaged):
     (packaged / d).rmdir()
     problems = verify_deploy(packaged)
     assert len(problems) == 1 and problems[0].startswith(f"{d}/: empty folder listed in manifest.json but missing")
+
+
+def test_an_edit_to_the_runtime_a_package_ships_repackages(tmp_path, monkeypatch):
+    """The package copies forge's engine and batcher modules and the Triton python models into the repository; its
+    cache key holds their digests, so an edit to any of them builds a new package (c919ce8 changed engine.py, and
+    the package stage, keyed by a hand-bumped version, kept serving the old runtime)."""
+    from pipeline.cache import make_key
+    from pipeline.recipe import resolve
+    from pipeline.stages.onnxruntime import OrtPackage
+    from pipeline.triton import repo_onnxruntime
+
+    r = resolve("smollm2-135m-int8")
+    up = {k: "0" * 64 for k in OrtPackage.needs}
+    engine = tmp_path / "engine.py"
+    shutil.copy2(repo_onnxruntime.DEFAULT_ENGINE_MODULE, engine)
+    monkeypatch.setattr(repo_onnxruntime, "DEFAULT_ENGINE_MODULE", engine)
+    comps = OrtPackage().components(r, tmp_path, up)
+    assert {"engine.py", "batcher.py", "ort_llm.py", "bls.py"} <= set(comps["shipped_code"])
+    before = make_key(comps)
+    assert make_key(OrtPackage().components(r, tmp_path, up)) == before      # same files, same key
+    engine.write_text(engine.read_text() + "\n# an edit\n")
+    assert make_key(OrtPackage().components(r, tmp_path, up)) != before

@@ -15,6 +15,7 @@ reported. Time to first token is the median time of generate(prompt, 1).
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
@@ -182,3 +183,51 @@ def measure_adapter(adapter, *, vocab_size: int, base_ids: list[int] | None, rep
                                                    decode_new, reps, warmup, clock, min_sample_s)
         figure(f"decode batch {b}", dec)
     return res
+
+
+def merge_passes(parts: list[dict]) -> dict:
+    """One engine's figures from several passes of the bench (each pass runs every engine once, in an order that
+    reverses from pass to pass): the samples of every pass pooled, each median taken again over all of them.
+    Sizes and load time are the first pass's, peak RSS the highest; ``gates`` come from the pass that scored them.
+    A pass that failed is listed under ``pass_errors``; all passes failing gives the first pass's error."""
+    good = [p for p in parts if "error" not in p]
+    if not good:
+        return dict(parts[0], passes=len(parts))
+    out = json.loads(json.dumps(good[0]))     # a deep copy: the first good pass is the frame
+    for later in good[1:]:
+        for key, fig in later.get("prefill", {}).items():
+            if key in out["prefill"]:
+                out["prefill"][key]["times_s"] += fig["times_s"]
+            else:
+                out["prefill"][key] = json.loads(json.dumps(fig))
+        for key, fig in later.get("decode", {}).items():
+            if key in out["decode"]:
+                for s in ("t_first_s", "t_all_s", "tokens_per_s_samples"):
+                    out["decode"][key][s] += fig[s]
+            else:
+                out["decode"][key] = json.loads(json.dumps(fig))
+        if "ttft" in later and "ttft" in out:
+            out["ttft"]["times_s"] += later["ttft"]["times_s"]
+        for k in ("skipped", "errors"):
+            if later.get(k):
+                out.setdefault(k, {}).update(later[k])
+        if later.get("peak_rss_bytes") and later["peak_rss_bytes"] > (out.get("peak_rss_bytes") or 0):
+            out["peak_rss_bytes"] = later["peak_rss_bytes"]
+        if "gates" in later and "gates" not in out:
+            out["gates"] = later["gates"]
+    for fig in out.get("prefill", {}).values():
+        fig["median_s"] = median(fig["times_s"])
+        fig["tokens_per_s"] = fig["tokens"] / fig["median_s"]
+        fig["tokens_per_s_spread"] = spread([fig["tokens"] / t for t in fig["times_s"]])
+    for fig in out.get("decode", {}).values():
+        fig["tokens_per_s"] = median(fig["tokens_per_s_samples"])
+        fig["tokens_per_s_spread"] = spread(fig["tokens_per_s_samples"])
+        fig["ttft_s"] = median(fig["t_first_s"])
+    if "ttft" in out:
+        out["ttft"]["median_s"] = median(out["ttft"]["times_s"])
+        out["ttft"]["spread_s"] = spread(out["ttft"]["times_s"])
+    out["passes"] = len(parts)
+    errs = [p["error"] for p in parts if "error" in p]
+    if errs:
+        out["pass_errors"] = errs
+    return out

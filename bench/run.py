@@ -2,7 +2,7 @@
 
     python -m bench.run [--quick] [--peers] --out bench/out \
         --engine fp32=DIR --engine int8=DIR --engine int4=DIR [--report cold=out/x/report.json ...] \
-        [--from-reports out] [--hf-dir DIR] [--threads N] [--reps N]
+        [--from-reports out] [--hf-dir DIR] [--threads N] [--reps N] [--passes N]
 
 Each engine and peer runs in its own subprocess (``python -m bench.run --worker SPEC.json``) so its
 peak RSS is its own. Writes ``results.json``, ``results.md`` and ``chart.png`` under ``--out``.
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.measure import measure_adapter, ratio
+from bench.measure import measure_adapter, merge_passes, ratio
 from pipeline.host.rss import process_peak_rss_bytes
 from pipeline.history.bench import flat
 
@@ -224,7 +224,8 @@ def markdown(results: dict) -> str:
              f"OMP_NUM_THREADS={m['env'].get('OMP_NUM_THREADS')}; load average at start "
              f"{', '.join(f'{x:.2f}' for x in (m.get('load_avg_at_start') or []))}; onnxruntime "
              f"{m['versions'].get('onnxruntime')}.",
-             f"Medians of {s['reps']} repetitions (after 1 warm-up). Prefill: {s['prefill_len']}-token prompts. "
+             f"Medians of {s['reps']} repetitions (after 1 warm-up) in each of {s.get('passes', 1)} pass(es) over "
+             f"every engine and peer, the order reversed each pass. Prefill: {s['prefill_len']}-token prompts. "
              f"Decode: {s['decode_new']} new tokens after a {s['decode_prompt']}-token prompt, rate = "
              f"(n-1) tokens / (t(n) - t(1)). TTFT: generate 1 token after a {s['prefill_len']}-token prompt.", ""]
     eng = results["engines"]
@@ -292,9 +293,12 @@ def markdown(results: dict) -> str:
             spec = g["spec"]
             sets = ", ".join(f"{e['set']}/{e['split']} ({e['samples']} x {e['seq_len']})" for e in spec["eval"])
             th = spec["thresholds"]
+            held = ", ".join(x for x in (
+                f"perplexity <= +{th['ppl_delta_pct_max']} %" if th.get("ppl_delta_pct_max") is not None else "",
+                f"top-1 >= {th['top1_agreement_min']}" if th.get("top1_agreement_min") is not None else "") if x)
             lines += ["", f"Accuracy: each row's logits against the FP32 torch model on {spec['recipe']}'s eval sets "
-                          f"({sets}), held to its gates (perplexity <= +{th['ppl_delta_pct_max']} %, top-1 >= "
-                          f"{th['top1_agreement_min']}, pooled and per set); ours from their build reports."
+                          f"({sets}), held to its gates ({held or 'none set'}; pooled and per set); ours from their "
+                          f"build reports."
                           + (f" Gated by the recipe but not scored here (the bench compares logits only): "
                              f"{', '.join(spec['not_scored'])}." if spec.get("not_scored") else "")]
             for key, label in METRICS:
@@ -368,11 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gate-peers", action=argparse.BooleanOptionalAction, default=True,
                     help="score each peer's logits against FP32 on our recipe's eval sets and apply its gates "
                          "(default on; ~1 min a peer on 2 cores)")
-    ap.add_argument("--quick", action="store_true", help="2 repetitions, 32 new tokens (a smoke run)")
-    ap.add_argument("--reps", type=int)
+    ap.add_argument("--quick", action="store_true", help="one pass, 32 new tokens (a smoke run)")
+    ap.add_argument("--reps", type=int, help="repetitions of each figure per pass (default 2)")
+    ap.add_argument("--passes", type=int, help="passes over every engine and peer, the order reversed each pass "
+                                                "(default 2; --quick: 1)")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    for flag, v in (("--reps", a.reps), ("--passes", a.passes), ("--threads", a.threads)):
+        if v is not None and v < 1:
+            ap.error(f"{flag} {v}: must be at least 1")
     if a.worker:
         worker(a.worker)
         return 0
@@ -383,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     except AttributeError:
         usable = os.cpu_count() or 1
     threads = a.threads or usable
-    reps = a.reps or (2 if a.quick else 3)     # 3 x (3 engines + 3 peers) fits `make bench` in ~15 min on 2 cores
+    reps = a.reps or 2
+    passes = a.passes or (1 if a.quick else 2)   # 2 passes x 2 repetitions: 4 samples a figure, the order reversed
     engines: dict[str, str] = {}
     reports: dict[str, Path] = {}
     if a.from_reports:
@@ -404,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg_dir = hf_dir or next(iter(engines.values()), None)
     if cfg_dir and (Path(cfg_dir) / "config.json").exists():
         vocab = json.loads((Path(cfg_dir) / "config.json").read_text()).get("vocab_size", vocab)
-    settings = {"reps": reps, "threads": threads, "prefill_len": 256, "decode_prompt": 32,
+    settings = {"reps": reps, "passes": passes, "threads": threads, "prefill_len": 256, "decode_prompt": 32,
                 "decode_new": 32 if a.quick else 64, "quick": a.quick, "prompt": "bench/prompt.txt (Austen, public "
                 "domain), tokenized" if ids else "seeded random ids (no tokenizer found)"}
     a.out.mkdir(parents=True, exist_ok=True)
@@ -415,20 +425,6 @@ def main(argv: list[str] | None = None) -> int:
                      "pipeline": {}, "peers": {}, "peer_ratios": {}}
     if not engines:
         print("[bench] no engines given (--engine LABEL=DIR or --from-reports DIR)", file=sys.stderr)
-    for label, d in engines.items():
-        results["engines"][label] = run_worker(dict(common, name=label, kind="ours", path=d), work)
-    eng = {k: v for k, v in results["engines"].items() if "error" not in v}
-    if "fp32" in eng:
-        for k in eng:
-            if k != "fp32":
-                results["ratios"][f"{k}/fp32"] = ratios(eng[k], eng["fp32"])
-    if "int8" in eng and "int4" in eng:
-        results["ratios"]["int4/int8"] = ratios(eng["int4"], eng["int8"])
-    if reports:
-        results["pipeline"]["cold"] = {k: stage_times(json.loads(Path(p).read_text())) for k, p in reports.items()}
-    if a.warm_rerun and a.from_reports:
-        recipes = [json.loads(Path(p).read_text()).get("recipe") for p in reports.values()]
-        results["pipeline"]["warm"] = warm_rerun([r for r in recipes if r], a.out / "warm-reports")
     gate = None
     if reports:
         from bench.gates import ours_from_report, spec_from_reports
@@ -437,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         if gate is not None:
             results["gates"] = {"spec": gate, "engines": {
                 k: ours_from_report(json.loads(Path(reports[k]).read_text()), gate) for k in reports}}
+    jobs = [("engines", label, dict(common, name=label, kind="ours", path=d)) for label, d in engines.items()]
     if a.peers:
         from bench.peers import peer_plan
 
@@ -449,10 +446,33 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[bench] peer {spec['name']} skipped: {spec['skipped']}", file=sys.stderr)
                 results["peers"][spec["name"]] = {"skipped": spec["skipped"]}
                 continue
-            results["peers"][spec["name"]] = run_worker(dict(common, **spec, **scored), work)
-        for n, p in results["peers"].items():
-            if "what" in p:
-                results["peer_ratios"][n] = {k: ratios(p, eng[k]) for k in ("int8", "int4") if k in eng}
+            jobs.append(("peers", spec["name"], dict(common, **spec, **scored)))
+    # every engine and peer runs once a pass, the order reversed from pass to pass: on a machine whose speed drifts
+    # (or that runs whatever comes first slower) a fixed order favours the later rows
+    parts: dict[tuple[str, str], list[dict]] = {(kind, name): [] for kind, name, _ in jobs}
+    for p in range(passes):
+        print(f"[bench] pass {p + 1} of {passes}", file=sys.stderr, flush=True)
+        for kind, name, spec in (jobs if p % 2 == 0 else jobs[::-1]):
+            if p and "gates" in spec:      # a peer's accuracy is scored once, in the pass it first ran
+                spec = {k: v for k, v in spec.items() if k not in ("gates", "hf_dir")}
+            parts[(kind, name)].append(run_worker(spec, work))
+    for (kind, name), got in parts.items():
+        results[kind][name] = merge_passes(got)
+    eng = {k: v for k, v in results["engines"].items() if "error" not in v}
+    if "fp32" in eng:
+        for k in eng:
+            if k != "fp32":
+                results["ratios"][f"{k}/fp32"] = ratios(eng[k], eng["fp32"])
+    if "int8" in eng and "int4" in eng:
+        results["ratios"]["int4/int8"] = ratios(eng["int4"], eng["int8"])
+    for n, p in results["peers"].items():
+        if "what" in p:
+            results["peer_ratios"][n] = {k: ratios(p, eng[k]) for k in ("int8", "int4") if k in eng}
+    if reports:
+        results["pipeline"]["cold"] = {k: stage_times(json.loads(Path(p).read_text())) for k, p in reports.items()}
+    if a.warm_rerun and a.from_reports:   # after every measurement: a build beside them would slow them
+        recipes = [json.loads(Path(p).read_text()).get("recipe") for p in reports.values()]
+        results["pipeline"]["warm"] = warm_rerun([r for r in recipes if r], a.out / "warm-reports")
     results["bench_wall_s"] = time.perf_counter() - t_start
     (a.out / "results.json").write_text(json.dumps(results, indent=1))
     md_text = markdown(results)

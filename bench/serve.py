@@ -158,7 +158,7 @@ def bench_recipe(recipe: str, levels: list[int], requests: int, protos: list[str
     gens = json.loads((Path(payloads["evaluate"]) / "generations.json").read_text())
     n_new = int(r.validate_.prompts.max_new_tokens)
     repo = Path(payloads["package"])
-    port = port or free_port()
+    port = port or free_port(3)   # forge serve takes port, +1 (gRPC) and +2 (metrics)
     log = out / f"serve-{recipe}.log"
     proc = serve_process(repo, port, log)
     res: dict = {"path": str(payloads["build"]), "package": str(repo), "max_tokens": n_new,

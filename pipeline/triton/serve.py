@@ -156,10 +156,42 @@ def server_env(binary: Path) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOWEST_PICKED_PORT = 20_000   # above Ray's default worker ports (10002-19999)
+
+
+def _ephemeral_range() -> tuple[int, int] | None:
+    """The kernel's range for the local ports of outgoing connections (Linux), or None where it cannot be read."""
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return None
+
+
+def free_port(span: int = 1) -> int:
+    """A port P with P .. P+span-1 all free on 127.0.0.1 (``forge serve --port P`` takes P, P+1 and P+2).
+
+    Chosen below the kernel's ephemeral range where it can be read: a port from ``bind(0)`` lies inside that range,
+    and any outgoing connection made before the server binds (``forge serve`` fetching a package from S3, say) may
+    take it -- a test once lost its serve port that way. Above 20000: Ray hands its workers 10002-19999 by default
+    (``ray start --min-worker-port/--max-worker-port``) and refuses to start when a component's port falls there.
+    Elsewhere, ``bind(0)`` ports, checked for the whole span."""
+    import random
+
+    rng = random.SystemRandom()
+    eph = _ephemeral_range()
+    if eph and eph[0] > LOWEST_PICKED_PORT + span:
+        for _ in range(500):
+            p = rng.randrange(LOWEST_PICKED_PORT, eph[0] - span)
+            if not any(port_in_use(p + i) for i in range(span)):
+                return p
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + span <= 65536 and not any(port_in_use(p + i) for i in range(1, span)):
+            return p
+    raise RuntimeError(f"no {span} consecutive free ports on 127.0.0.1")
 
 
 def port_in_use(port: int, host: str = "127.0.0.1") -> bool:

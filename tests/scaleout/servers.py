@@ -24,10 +24,7 @@ KEY, SECRET = "forge-test-key", "forge-test-secret"
 READER_KEY, READER_SECRET = "forge-test-reader", "forge-test-reader-secret"    # may read and list, not write
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pipeline.triton.serve import free_port  # noqa: E402 - one rule for picking a port (outside the ephemeral range)
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

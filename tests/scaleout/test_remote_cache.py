@@ -280,7 +280,7 @@ def test_package_built_in_one_home_serves_in_another(shared, default_build, defa
     a.env["FORGE_HOME"] = str(forge_home())     # every stage a local hit there: published to the bucket now
     a.forge("build", recipe, *sets, real=True, timeout=900)
     link_home(forge_home(), b.home)             # the converted model only (the plan's source key reads it)
-    port = free_port()
+    port = free_port(3)     # forge serve takes P, P+1, P+2
     p = b.forge("serve", recipe, *sets, "--port", port, real=True, wait=False)
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True).start()

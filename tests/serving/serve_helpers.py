@@ -47,7 +47,7 @@ def grpc_inputs(texts: list[str], max_tokens: int, stream: bool) -> list:
 def start_forge_serve(repo_dir, timeout_s: float = 120) -> tuple[subprocess.Popen, list[str], int]:
     """`forge serve REPO --port P` in its own process, returned once it says the endpoints are up
     ("Ctrl-C stops it"): (the process, its stdout lines so far and to come, P)."""
-    port = free_port()
+    port = free_port(3)     # forge serve takes P, P+1, P+2
     p = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", str(repo_dir), "--port", str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

@@ -259,3 +259,30 @@ def test_trtllm_config_sets_attention_windows_from_the_engine(tiny_artifacts, tm
         assert p["max_attention_window_size"].string_value == expect
     # the recipe's build section has no pretrained config: plan-time facts carry no windows
     assert engine_facts({"tp": 2, "max_seq_len": 2048})["attention_windows"] is None
+
+
+def test_free_port_leaves_the_ephemeral_range_and_checks_the_whole_span(monkeypatch):
+    """`forge serve --port P` binds P, P+1 and P+2. A port from bind(0) lies in the kernel's ephemeral range, where an
+    outgoing connection made before the server binds (a package fetched from S3) can take it: a CI run lost its
+    serve port that way (tests/scaleout/test_remote_cache.py)."""
+    import socket
+
+    from pipeline.triton import serve
+
+    monkeypatch.setattr(serve, "_ephemeral_range", lambda: (32768, 60999))
+    for _ in range(20):
+        p = serve.free_port(3)
+        assert serve.LOWEST_PICKED_PORT <= p and p + 2 < 32768 and not 10002 <= p <= 19999   # not Ray's worker ports
+        assert not any(serve.port_in_use(p + i) for i in range(3))
+    # a taken port inside the span is never handed out: hold P+1 of the next pick's candidates
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    taken = held.getsockname()[1]
+    monkeypatch.setattr(serve, "_ephemeral_range", lambda: None)      # where the range cannot be read: bind(0)
+    try:
+        for _ in range(20):
+            p = serve.free_port(3)
+            assert taken not in (p, p + 1, p + 2)
+            assert not any(serve.port_in_use(p + i) for i in range(3))
+    finally:
+        held.close()

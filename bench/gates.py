@@ -36,15 +36,12 @@ def gate_spec(report: dict) -> dict | None:
         r = resolve(name)
     except ForgeError:
         return None
-    v = r.validate_
-    return {"recipe": name, "eval": [e.model_dump() for e in v.eval], "thresholds": v.thresholds.model_dump(),
-            "not_scored": sorted(k for k in NOT_SCORED if v.thresholds.model_dump().get(_key(k)) is not None)}
-
-
-def _key(metric: str) -> str:
     from pipeline.stages.validate import GATES
 
-    return next(k for m, k, _ in GATES if m == metric)
+    v = r.validate_
+    th = v.thresholds.model_dump()
+    return {"recipe": name, "eval": [e.model_dump() for e in v.eval], "thresholds": th,
+            "not_scored": sorted(m for m, key, _ in GATES if m in NOT_SCORED and th.get(key) is not None)}
 
 
 def summarize(metrics: dict, spec: dict) -> dict:

@@ -15,7 +15,7 @@ reported. Time to first token is the median time of generate(prompt, 1).
 
 from __future__ import annotations
 
-import json
+import copy
 import math
 import statistics
 import time
@@ -193,19 +193,19 @@ def merge_passes(parts: list[dict]) -> dict:
     good = [p for p in parts if "error" not in p]
     if not good:
         return dict(parts[0], passes=len(parts))
-    out = json.loads(json.dumps(good[0]))     # a deep copy: the first good pass is the frame
+    out = copy.deepcopy(good[0])     # the first good pass is the frame
     for later in good[1:]:
         for key, fig in later.get("prefill", {}).items():
             if key in out["prefill"]:
                 out["prefill"][key]["times_s"] += fig["times_s"]
             else:
-                out["prefill"][key] = json.loads(json.dumps(fig))
+                out["prefill"][key] = copy.deepcopy(fig)
         for key, fig in later.get("decode", {}).items():
             if key in out["decode"]:
                 for s in ("t_first_s", "t_all_s", "tokens_per_s_samples"):
                     out["decode"][key][s] += fig[s]
             else:
-                out["decode"][key] = json.loads(json.dumps(fig))
+                out["decode"][key] = copy.deepcopy(fig)
         if "ttft" in later and "ttft" in out:
             out["ttft"]["times_s"] += later["ttft"]["times_s"]
         for k in ("skipped", "errors"):

@@ -157,6 +157,7 @@ def server_env(binary: Path) -> dict[str, str]:
 
 
 LOWEST_PICKED_PORT = 20_000   # above Ray's default worker ports (10002-19999)
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process: random picks must not repeat before they are bound
 
 
 def _ephemeral_range() -> tuple[int, int] | None:
@@ -183,7 +184,9 @@ def free_port(span: int = 1) -> int:
     if eph and eph[0] > LOWEST_PICKED_PORT + span:
         for _ in range(500):
             p = rng.randrange(LOWEST_PICKED_PORT, eph[0] - span)
-            if not any(port_in_use(p + i) for i in range(span)):
+            ports = set(range(p, p + span))
+            if not ports & _HANDED_OUT and not any(port_in_use(q) for q in ports):
+                _HANDED_OUT.update(ports)
                 return p
     for _ in range(100):
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

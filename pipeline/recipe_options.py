@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Pattern = Annotated[str, Field(min_length=1, max_length=512)]
 
@@ -80,6 +80,9 @@ class OrtInt8Options(OrtOptions):
     prefill: Literal["same", "per_token"] = Field("same", description=(
         "blockwise: the graph prompts run on -- same (the one graph) or per_token (a second graph, prefill.onnx, "
         "per-token INT8 with SmoothQuant: fast at M > 1 where MatMulNBits is not; decode keeps MatMulNBits)"))
+    outlier_channels: int = Field(0, ge=0, le=64, description=(
+        "per_token graphs (method per_token, prefill per_token): the input channels of each quantized activation "
+        "kept in fp32, chosen by calibrated max |x| after smoothing (LLM.int8()'s decomposition; needs calibration)"))
     blockwise: list[Pattern] = Field(default_factory=lambda: ["*.mlp.down_proj", "lm_head"], max_length=1000,
                                      description="mixed: fnmatch patterns of the MatMuls quantized blockwise")
     smoothquant_alpha: Optional[float] = Field(0.5, ge=0, le=1, description=(
@@ -98,6 +101,13 @@ class OrtInt8Options(OrtOptions):
     symmetric: bool = Field(True, description="blockwise: symmetric 8-bit weights")
     accuracy_level: Literal[1, 2, 3, 4] = Field(4, description=(
         "blockwise: MatMulNBits compute type: 4 = int8 activations, 1/2/3 = fp32/fp16/bf16"))
+
+    @model_validator(mode="after")
+    def _outliers_need_a_per_token_graph(self):
+        if self.outlier_channels and "per_token" not in (self.method, self.prefill):
+            raise ValueError(f"outlier_channels applies to per-token graphs, and method {self.method!r} with prefill "
+                             f"{self.prefill!r} has none: set method: per_token or prefill: per_token, or drop it")
+        return self
 
 
 class OrtInt4Options(OrtOptions):

@@ -61,6 +61,17 @@ def _packed_nbits(nodes, inits) -> tuple[dict, dict] | None:
     return tensors, {**ats[0], "N": int(sum(a["N"] for a in ats))}
 
 
+def _packed_matmul(nodes, inits) -> tuple[dict, dict, list] | None:
+    """One plain MatMul over ``nodes``' 2-D weights [K, N_i], concatenated on axis 1: ({1: ("w", array)}, {},
+    [each weight's shape]), or None when the weights differ in K or type."""
+    from onnx import numpy_helper
+
+    ws = [numpy_helper.to_array(inits[p.input[1]]) for p in nodes]
+    if any(w.ndim != 2 or w.shape[0] != ws[0].shape[0] or w.dtype != ws[0].dtype for w in ws):
+        return None
+    return {1: ("w", np.concatenate(ws, axis=1))}, {}, [w.shape for w in ws]
+
+
 def _add_initializers(g, tensors: dict, prefix: str) -> list[str]:
     """``tensors`` ({input position: (key, array)}) as initializers named ``prefix_key``: the node's weight inputs,
     in place (position 1 first; "" where an optional input is absent)."""
@@ -98,12 +109,10 @@ def pack_qkv(model) -> int:
             continue
         op = projs[0].op_type
         if op == "MatMul":
-            if any(p.input[1] not in inits for p in projs):
+            packable = _packed_matmul(projs, inits) if all(p.input[1] in inits for p in projs) else None
+            if packable is None:
                 continue
-            ws = [numpy_helper.to_array(inits[p.input[1]]) for p in projs]
-            if any(w.ndim != 2 or w.shape[0] != ws[0].shape[0] or w.dtype != ws[0].dtype for w in ws):
-                continue
-            tensors, attrs = {1: ("w", np.concatenate(ws, axis=1))}, {}
+            tensors, attrs = packable[:2]
         elif op == "MatMulNBits":
             packable = _packed_nbits(projs, inits)
             if packable is None:
@@ -129,7 +138,8 @@ def pack_qkv(model) -> int:
 
 def pack_gate_up(model) -> int:
     """Rewrite ``model`` in place: every pair of weight-only ``MatMulNBits`` that read one input with the same
-    ``K``/``bits``/``block_size``/``accuracy_level`` (the MLP's gate and up projections) becomes one MatMulNBits
+    ``K``/``bits``/``block_size``/``accuracy_level`` (the MLP's gate and up projections), or of plain MatMuls with
+    weights in the graph (the per-token prompt graph packs its fp32 graph before quantizing), becomes one node
     over both weights (rows of N concatenated, as in :func:`pack_qkv`) and a ``Split`` on the last axis that gives
     each output its old name, so the readers are untouched. Each output row is its own dot products over the same
     quantized activation blocks, so the numbers do not change (tests/ort/test_pack_qkv.py checks bitwise equal
@@ -142,24 +152,28 @@ def pack_gate_up(model) -> int:
     outputs = {o.name for o in g.output}
     readers: dict[str, list] = {}
     for n in g.node:
-        if n.op_type == "MatMulNBits":
+        if n.op_type == "MatMulNBits" or (n.op_type == "MatMul" and n.input[1] in inits):
             readers.setdefault(n.input[0], []).append(n)
     packed = 0
     for x, pair in readers.items():
-        if len(pair) != 2:
+        if len(pair) != 2 or pair[0].op_type != pair[1].op_type or any(p.output[0] in outputs for p in pair):
             continue
-        packable = _packed_nbits(pair, inits)
-        if packable is None or any(p.output[0] in outputs for p in pair):
+        if pair[0].op_type == "MatMul":
+            packable = _packed_matmul(pair, inits)
+            halves = [int(t[1]) for t in packable[2]] if packable else []
+        else:
+            packable = _packed_nbits(pair, inits)
+            halves = [_attrs(p)["N"] for p in pair]
+        if packable is None:
             continue
-        tensors, attrs = packable
+        tensors, attrs = packable[:2]
         base = pair[0].name or f"gate_up_{packed}"
         names = _add_initializers(g, tensors, f"{base}_gate_up")
         both = f"{pair[0].output[0]}_gate_up"
         sizes = f"{base}_gate_up_split"
-        halves = [_attrs(p)["N"] for p in pair]
         g.initializer.append(numpy_helper.from_array(np.array(halves, np.int64), sizes))
-        node = helper.make_node("MatMulNBits", [x, *names], [both], name=f"{base}_gate_up", domain=pair[0].domain,
-                                **attrs)
+        node = helper.make_node(pair[0].op_type, [x, *names], [both], name=f"{base}_gate_up",
+                                domain=pair[0].domain, **attrs)
         split = helper.make_node("Split", [both, sizes], [pair[0].output[0], pair[1].output[0]],
                                  name=f"{base}_gate_up_split", axis=-1)
         at = min(list(g.node).index(p) for p in pair)

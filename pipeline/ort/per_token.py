@@ -34,6 +34,10 @@ __all__ = ["per_token_int8", "quantize_weight_per_channel", "SESSION_CONFIG"]
 # weights avoid the overflow too but measured +3.0 % against +1.5 % ppl on SmolLM2 (docs/quantization.md).
 SESSION_CONFIG = {"session.x64quantprecision": "1"}
 
+# The per-token graph's revision, in the quantize stage's key of recipes that make one (pipeline/stages/onnxruntime.py):
+# 2: MatMulIntegerToFloat (the channel scale inside the integer GEMM), q/k/v and gate/up packed, outlier_channels
+LAYOUT = "2"
+
 
 def quantize_weight_per_channel(w: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
     """``w`` [K, N] float -> (int8 [K, N], float32 scale [N]): symmetric, round half to even, a zero column scale 1."""
@@ -43,9 +47,15 @@ def quantize_weight_per_channel(w: np.ndarray, bits: int) -> tuple[np.ndarray, n
     return np.clip(np.round(w / scale), -qmax, qmax).astype(np.int8), scale
 
 
-def per_token_int8(model: Any, names: list[str], *, weight_bits: int = 7) -> dict:
+def per_token_int8(model: Any, names: list[str], *, weight_bits: int = 7,
+                   outliers: dict[str, np.ndarray] | None = None) -> dict:
     """Rewrite the weight MatMuls of ``model`` (an in-memory ONNX ModelProto with its weights loaded) named in
-    ``names`` to per-token dynamic INT8, in place. Returns counts of what was done."""
+    ``names`` to per-token dynamic INT8, in place. Returns counts of what was done.
+
+    ``outliers``: activation tensor -> the input channels kept in fp32 (LLM.int8()'s decomposition, Dettmers et al.
+    2022): those columns of x are zeroed before the row's scale is taken and multiply their weight rows in an fp32
+    MatMul added to the integer product, so a few large channels no longer set every other channel's step; the
+    weight rows they leave are zero in the int8 weight (finer per-channel weight scales too). Still per row."""
     from onnx import TensorProto, helper, numpy_helper
 
     if weight_bits not in (7, 8):
@@ -56,42 +66,67 @@ def per_token_int8(model: Any, names: list[str], *, weight_bits: int = 7) -> dic
     prefix = "forge_pt"
     consts = {f"{prefix}_axis": np.array([-1], np.int64), f"{prefix}_eps": np.array(1e-12, np.float32),
               f"{prefix}_127": np.array(127.0, np.float32), f"{prefix}_128": np.array(128.0, np.float32),
-              f"{prefix}_zp": np.array(128, np.uint8)}
+              f"{prefix}_zp": np.array(128, np.uint8), f"{prefix}_one": np.array(1.0, np.float32)}
     g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
-    quantized: dict[str, tuple[str, str]] = {}    # activation tensor -> (its uint8 tensor, its row scale)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    outliers = outliers or {}
+    # activation tensor -> (its uint8 tensor, its row scale, its fp32 outlier columns or None)
+    quantized: dict[str, tuple[str, str, str | None]] = {}
     nodes, done, dropped = [], 0, set()
     for node in g.node:
         if node.op_type != "MatMul" or node.name not in wanted or node.input[1] not in inits:
             nodes.append(node)
             continue
         x, wname = node.input[0], node.input[1]
+        w = numpy_helper.to_array(inits[wname]).astype(np.float32)
+        idx = np.asarray(outliers.get(x, ()), np.int64)
         if x not in quantized:
             p = f"{prefix}/{len(quantized)}"
+            src, cols = x, None
+            if idx.size:
+                mask = np.ones(w.shape[0], np.float32)
+                mask[idx] = 0
+                src, cols = f"{p}/inliers", f"{p}/outliers"
+                g.initializer.extend([numpy_helper.from_array(mask, f"{p}/inlier_mask"),
+                                      numpy_helper.from_array(idx, f"{p}/outlier_idx")])
+                nodes += [helper.make_node("Mul", [x, f"{p}/inlier_mask"], [src], name=f"{p}/Inliers"),
+                          helper.make_node("Gather", [x, f"{p}/outlier_idx"], [cols], name=f"{p}/Outliers", axis=-1)]
             xs = [f"{p}/abs", f"{p}/max", f"{p}/max_eps", f"{p}/inv", f"{p}/scaled", f"{p}/round", f"{p}/shift",
                   f"{p}/xq", f"{p}/row_scale"]
             nodes += [
-                helper.make_node("Abs", [x], [xs[0]], name=f"{p}/Abs"),
+                helper.make_node("Abs", [src], [xs[0]], name=f"{p}/Abs"),
                 helper.make_node("ReduceMax", [xs[0], f"{prefix}_axis"], [xs[1]], name=f"{p}/ReduceMax", keepdims=1),
                 helper.make_node("Max", [xs[1], f"{prefix}_eps"], [xs[2]], name=f"{p}/Max"),
                 helper.make_node("Div", [f"{prefix}_127", xs[2]], [xs[3]], name=f"{p}/Inv"),
-                helper.make_node("Mul", [x, xs[3]], [xs[4]], name=f"{p}/Scale"),
+                helper.make_node("Mul", [src, xs[3]], [xs[4]], name=f"{p}/Scale"),
                 helper.make_node("Round", [xs[4]], [xs[5]], name=f"{p}/Round"),
                 helper.make_node("Add", [xs[5], f"{prefix}_128"], [xs[6]], name=f"{p}/Shift"),
                 helper.make_node("Cast", [xs[6]], [xs[7]], name=f"{p}/ToUint8", to=TensorProto.UINT8),
                 helper.make_node("Div", [xs[2], f"{prefix}_127"], [xs[8]], name=f"{p}/RowScale"),
             ]
-            quantized[x] = (xs[7], xs[8])
-        xq, row_scale = quantized[x]
-        wq, ws = quantize_weight_per_channel(numpy_helper.to_array(inits[wname]).astype(np.float32), weight_bits)
+            quantized[x] = (xs[7], xs[8], cols)
+        xq, row_scale, cols = quantized[x]
         base = node.name
+        y, tail = node.output[0], []
+        if cols is not None:
+            g.initializer.append(numpy_helper.from_array(w[idx], f"{base}/W_outliers"))
+            w = w.copy()
+            w[idx] = 0
+            y = f"{base}/int8_part"
+            tail = [helper.make_node("MatMul", [cols, f"{base}/W_outliers"], [f"{base}/fp32_part"],
+                                     name=f"{base}/OutlierMatMul"),
+                    helper.make_node("Add", [y, f"{base}/fp32_part"], [node.output[0]], name=f"{base}/AddOutliers")]
+        wq, ws = quantize_weight_per_channel(w, weight_bits)
         g.initializer.extend([numpy_helper.from_array(wq, f"{base}/Wq"), numpy_helper.from_array(ws, f"{base}/Ws")])
-        acc, accf, rowed = f"{base}/acc", f"{base}/acc_f", f"{base}/rowed"
+        # the integer product, its cast and the channel scale in one kernel (MLAS scales the int32 tile as it
+        # leaves the GEMM); the row scale after it
         nodes += [
-            helper.make_node("MatMulInteger", [xq, f"{base}/Wq", f"{prefix}_zp"], [acc], name=f"{base}/MatMulInteger"),
-            helper.make_node("Cast", [acc], [accf], name=f"{base}/ToFloat", to=TensorProto.FLOAT),
-            helper.make_node("Mul", [accf, row_scale], [rowed], name=f"{base}/RowScale"),
-            helper.make_node("Mul", [rowed, f"{base}/Ws"], [node.output[0]], name=f"{base}/ChannelScale"),
-        ]
+            helper.make_node("MatMulIntegerToFloat", [xq, f"{base}/Wq", f"{prefix}_one", f"{base}/Ws",
+                                                      f"{prefix}_zp"], [f"{base}/channel_scaled"],
+                             name=f"{base}/MatMulIntegerToFloat", domain="com.microsoft"),
+            helper.make_node("Mul", [f"{base}/channel_scaled", row_scale], [y], name=f"{base}/RowScale"),
+        ] + tail
         dropped.add(wname)
         done += 1
     del g.node[:]
@@ -99,4 +134,5 @@ def per_token_int8(model: Any, names: list[str], *, weight_bits: int = 7) -> dic
     used = {i for n in g.node for i in n.input}
     for init in [i for i in g.initializer if i.name in dropped and i.name not in used]:
         g.initializer.remove(init)
-    return {"per_token_matmuls": done, "quantized_inputs": len(quantized), "weight_bits": weight_bits}
+    return {"per_token_matmuls": done, "quantized_inputs": len(quantized), "weight_bits": weight_bits,
+            "fp32_outlier_channels": int(sum(len(v) for k, v in outliers.items() if k in quantized))}

@@ -102,17 +102,38 @@ def _pack_projections(model) -> dict:
     return {"packed_qkv": pack_qkv(model), "packed_gate_up": pack_gate_up(model)}
 
 
-def _per_token_graph(model, out_dir: Path, names: list[str], meta: dict, name: str = MODEL_FILE) -> dict:
-    """``names`` (weight MatMuls of ``model``) per token with 8-bit weights (pipeline/ort/per_token.py), saved as
-    ``name``; ``meta`` gets the session option the graph needs where u8 x s8 saturates. Returns what ran."""
+def outlier_channels(act: dict | None, scales: dict[str, np.ndarray], k: int) -> dict[str, np.ndarray]:
+    """The ``k`` input channels of each calibrated activation with the largest max |x| after smoothing (``scales``:
+    :func:`smooth_fold`'s), kept in fp32 by the per-token graph (pipeline/ort/per_token.py)."""
+    if not k or not act:
+        return {}
+    out = {}
+    for t, s in act.items():
+        amax = np.asarray(s["channel_absmax"], np.float32)
+        amax = amax / scales[t] if t in scales else amax
+        out[t] = np.sort(np.argsort(amax, kind="stable")[-k:])
+    return out
+
+
+def _per_token_graph(model, out_dir: Path, exclude: list[str], meta: dict, name: str = MODEL_FILE, *,
+                     outliers: dict[str, np.ndarray] | None = None) -> dict:
+    """The weight MatMuls of ``model`` that ``exclude`` (fnmatch patterns) leaves, per token with 8-bit weights
+    (pipeline/ort/per_token.py), saved as ``name``; ``meta`` gets the session option the graph needs where u8 x s8
+    saturates. Returns what ran.
+
+    With nothing excluded, q/k/v and gate/up are packed first (pipeline/ort/pack_qkv.py): one integer product, one
+    row scale and one fp32 outlier product per input instead of one per projection. Each output column keeps its
+    own weight scale and the input its one quantization, so the numbers are those of the unpacked graph."""
     from .engine import SATURATING_U8S8_CONFIG_KEY
     from .per_token import SESSION_CONFIG, per_token_int8
 
-    done = per_token_int8(model, names, weight_bits=8)
+    packed = {} if exclude else _pack_projections(model)
+    names = [n.name for n, _ in weight_matmuls(model) if not _matches(n, exclude)]
+    done = per_token_int8(model, names, weight_bits=8, outliers=outliers)
     _save(model, out_dir, name)
     meta[SATURATING_U8S8_CONFIG_KEY] = SESSION_CONFIG
     return {"method": "per_token", "weights": "int8 per-channel symmetric",
-            "activations": "int8 per token (a scale per row), computed at run time", **done}
+            "activations": "int8 per token (a scale per row), computed at run time", **done, **packed}
 
 
 def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict | None, alpha: float | None,
@@ -128,10 +149,11 @@ def _prefill_graph(fp32_dir: Path, out_dir: Path, o: OrtInt8Options, act: dict |
     if o.embedding == "int8":
         quantize_embedding_int8(model, meta["vocab_size"])
         _prune_unused_initializers(model)
-    smooth = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()}, float(alpha)) \
+    scales: dict[str, np.ndarray] = {}
+    smooth = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()}, float(alpha), scales=scales) \
         if alpha is not None else {}
-    names = [n.name for n, _ in weight_matmuls(model) if not _matches(n, list(o.exclude))]
-    info = _per_token_graph(model, out_dir, names, meta, PREFILL_FILE)
+    info = _per_token_graph(model, out_dir, list(o.exclude), meta, PREFILL_FILE,
+                            outliers=outlier_channels(act, scales, o.outlier_channels))
     meta["prefill_model_file"] = PREFILL_FILE
     return {"file": PREFILL_FILE, **info, "smoothed_inputs": len(smooth)}
 
@@ -223,14 +245,15 @@ def fold_weight_transposes(model) -> list[str]:
     return done
 
 
-def smooth_fold(model, act_absmax: dict[str, np.ndarray], alpha: float, *, only: list[str] | None = None) -> dict:
+def smooth_fold(model, act_absmax: dict[str, np.ndarray], alpha: float, *, only: list[str] | None = None,
+                scales: dict[str, np.ndarray] | None = None) -> dict:
     """SmoothQuant (Xiao et al. 2023) folded exactly into the FP32 graph's initializers.
 
     For an activation ``t`` read only by weight MatMuls, per input channel ``s = max|X|^a / max|W|^(1-a)``:
     the consumers' weight rows are multiplied by ``s`` and ``t``'s producer divides by ``s`` -- either a ``Mul`` by a
     per-channel initializer (an RMSNorm weight) or a ``Mul`` by the output of a weight MatMul whose columns are then
     divided (the MLP's ``silu(gate) * up`` feeding ``down_proj``). Tensors with any other producer are left alone.
-    Returns per-tensor smoothing stats."""
+    Returns per-tensor smoothing stats; ``scales``, when given, gets each smoothed tensor's ``s``."""
     from onnx import numpy_helper
 
     inits = _inits(model)
@@ -286,6 +309,8 @@ def smooth_fold(model, act_absmax: dict[str, np.ndarray], alpha: float, *, only:
         put(name, arr(name) / sc if kind == "norm" else arr(name) / sc[None, :])
         for n, w in zip(cons, ws):
             put(n.input[1], w * sc[:, None])
+        if scales is not None:
+            scales[t] = sc
         out[t] = {"consumers": [module_name(n) for n in cons], "folded_into": kind, "scale_min": float(sc.min()),
                   "scale_max": float(sc.max()), "act_absmax_before": float(amax.max()),
                   "act_absmax_after": float((amax / sc).max())}
@@ -714,6 +739,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             stats["activations"] = {t: {"consumers": consumers[t], "min": s["min"], "max": s["max"],
                                         **_summarise_channels(s["channel_absmax"])} for t, s in act.items()}
         alpha = o.smoothquant_alpha if algo == "int8" else None
+        scales: dict[str, np.ndarray] = {}
         if "smoothquant_alpha" not in o.model_fields_set and calib_windows is None:
             alpha = None  # default smoothing needs calibration; without data the default is plain int8
             stats["smoothquant"] = "skipped: no calibration windows"
@@ -726,7 +752,7 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
             only = None if o.method == "per_token" and "smoothquant_only" not in o.model_fields_set \
                 else o.smoothquant_only
             stats["smoothquant"] = smooth_fold(model, {t: s["channel_absmax"] for t, s in act.items()},
-                                               float(alpha), only=only)
+                                               float(alpha), only=only, scales=scales)
         stats["weights"] = _weight_stats(model, [(n, w) for n, w in nodes if n.name not in excluded])
         emb = None
         if algo == "int8" and o.embedding == "int8":
@@ -764,7 +790,8 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                     del model   # the prompt graph is made from the export again: one fp32 model in memory
                     info["prefill"] = _prefill_graph(fp32_dir, out_dir, o, act, alpha, meta)
             elif method == "per_token":
-                info = _per_token_graph(model, out_dir, [n.name for n, _ in nodes if n.name not in excluded], meta)
+                info = _per_token_graph(model, out_dir, list(o.exclude), meta,
+                                        outliers=outlier_channels(act, scales, o.outlier_channels))
             else:
                 raise ForgeError(f"quantize.options.method {method!r} is not known for int8; use blockwise, "
                                  "per_token, mixed or dynamic")

@@ -166,6 +166,10 @@ class OrtQuantize(Stage):
             cfg["calibration"] = q.calibration.model_dump()
         if streams_fp16(r) and q.algo != "none":
             cfg["quantizer"] = "stream"   # pipeline/ort/stream_quantize.py, weight by weight
+        if q.algo == "int8" and "per_token" in (ort_options(q).method, ort_options(q).prefill):
+            # the per-token graph's own revision: a change to it rebuilds the recipes that make one, not every one
+            from ..ort.per_token import LAYOUT
+            cfg["per_token_layout"] = LAYOUT
         return cfg
 
     def data(self, r, home):

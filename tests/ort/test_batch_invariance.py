@@ -77,7 +77,8 @@ def test_per_token_int8_rows_are_bitwise_equal_alone_and_batched(tiny_onnx_dir, 
     eng = _engine(tiny_onnx_dir, tmp_path, {"method": "per_token"})
     meta = json.loads((tmp_path / "forge_ort.json").read_text())
     assert meta["batch_invariant"] is True and eng.batch_invariant is True
-    assert meta["quantization"]["method"] == "per_token" and meta["quantization"]["per_token_matmuls"] == 15
+    assert meta["quantization"]["method"] == "per_token" and meta["quantization"]["per_token_matmuls"] == 9 \
+        and meta["quantization"]["packed_qkv"] == 2 and meta["quantization"]["packed_gate_up"] == 2   # 2 layers: qkv, o, gate_up, down; lm_head
     assert _differences(eng) == [0.0] * len(LENGTHS)
     rows = [list(map(int, r)) for r in _rows()]
     together = eng.generate_batch(rows, 6, greedy=True)

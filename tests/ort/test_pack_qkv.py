@@ -112,12 +112,10 @@ def test_packs_gate_and_up_of_int4_graphs_into_one_kernel_and_a_split(method, ti
 
 
 def test_gate_up_packing_leaves_what_it_cannot_pair(tiny_onnx_dir, tmp_path, monkeypatch):
-    """A plain MatMul graph (nothing to pair), a pair whose output is also a graph output, and a pair of different
-    block sizes are left as they are."""
+    """A pair whose output is also a graph output, and a pair of different block sizes are left as they are."""
     import onnx
     from onnx import helper
     from pipeline.ort.pack_qkv import pack_gate_up
-    assert pack_gate_up(onnx.load(str(tiny_onnx_dir / "model.onnx"))) == 0
     q = _unpacked_int4(tiny_onnx_dir, tmp_path / "rtn", monkeypatch, block_size=32, method="rtn")
     m = onnx.load(str(q / "model.onnx"))
     readers = {}
@@ -162,3 +160,17 @@ def test_the_int4_quantizer_packs_its_own_graph_with_the_same_logits(options, ti
     ids = np.random.default_rng(8).integers(3, 256, (2, 10))
     np.testing.assert_array_equal(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
                                   OrtEngine(tmp_path / "plain", threads=1).logits(ids))
+
+
+def test_plain_matmul_gate_up_pack_too_and_compute_the_same(tiny_onnx_dir, tmp_path):
+    """The fp32 graph's gate/up MatMuls (weights in the graph) pack into one MatMul and a Split, and q/k/v into one
+    MatMul (the per-token prompt graph packs before it quantizes); the logits are those of the unpacked graph."""
+    from pipeline.ort.engine import OrtEngine
+    from pipeline.ort.pack_qkv import pack_gate_up, pack_qkv
+    n, m = _packed_copy(tiny_onnx_dir, tmp_path / "packed", pack=lambda m: (pack_qkv(m), pack_gate_up(m)))
+    assert n == (2, 2)
+    ops = [x.op_type for x in m.graph.node]
+    assert ops.count("Split") == 2 and ops.count("MatMul") == 2 * (1 + 1 + 1 + 1) + 1   # qkv, o, gate_up, down; lm_head
+    ids = np.random.default_rng(7).integers(3, 256, (2, 13))
+    np.testing.assert_allclose(OrtEngine(tmp_path / "packed", threads=1).logits(ids),
+                               OrtEngine(tiny_onnx_dir, threads=1).logits(ids), rtol=1e-5, atol=1e-5)

@@ -40,9 +40,10 @@ def test_per_token_graph_is_the_integer_arithmetic_it_claims(bits):
     w1, w2 = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32), (rng.standard_normal((64, 32))).astype(np.float32)
     m = _two_matmuls(w1, w2)
     info = per_token_int8(m, ["a", "b"], weight_bits=bits)
-    assert info == {"per_token_matmuls": 2, "quantized_inputs": 1, "weight_bits": bits}   # x quantized once
+    assert info == {"per_token_matmuls": 2, "quantized_inputs": 1, "weight_bits": bits,   # x quantized once
+                    "fp32_outlier_channels": 0}
     ops = [n.op_type for n in m.graph.node]
-    assert "MatMul" not in ops and ops.count("MatMulInteger") == 2 and ops.count("ReduceMax") == 1
+    assert "MatMul" not in ops and ops.count("MatMulIntegerToFloat") == 2 and ops.count("ReduceMax") == 1
     assert not {"w1", "w2"} & {i.name for i in m.graph.initializer}      # the fp32 weights are gone
     x = rng.standard_normal((2, 5, 64)).astype(np.float32) * np.array([1, 300], np.float32)[:, None, None]
     x[1, 2] = 0.0                                                          # an all-zero row: scale eps, output 0
@@ -54,6 +55,52 @@ def test_per_token_graph_is_the_integer_arithmetic_it_claims(bits):
     # close to fp32: 8-bit per-channel weights, 8-bit per-row activations
     rel = np.abs(y1 - x @ w1).max() / np.abs(x @ w1).max()
     assert rel < (0.02 if bits == 8 else 0.04), rel
+
+
+def test_outlier_channels_stay_fp32_and_the_rest_are_quantized_without_them():
+    """LLM.int8()'s decomposition: the named input channels multiply their weight rows in fp32; the row's scale and
+    the weight's channel scales are taken without them. One channel 1000x the others: without the split every other
+    channel of that row falls into a few int8 steps; with it the product is as close as an ordinary row's."""
+    rng = np.random.default_rng(1)
+    w1, w2 = (rng.standard_normal((64, 48)) * 0.1).astype(np.float32), rng.standard_normal((64, 32)).astype(np.float32)
+    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    x[..., 7] *= 1000.0
+    idx = np.array([7, 40])
+    m = _two_matmuls(w1, w2)
+    info = per_token_int8(m, ["a", "b"], weight_bits=8, outliers={"x": idx})
+    assert info["fp32_outlier_channels"] == 2 and info["quantized_inputs"] == 1
+    ops = [n.op_type for n in m.graph.node]
+    assert ops.count("Gather") == 1 and ops.count("MatMul") == 2 and ops.count("MatMulIntegerToFloat") == 2
+    y1, y2 = inference_session(m.SerializeToString(), session_options(1, "disable"),
+                               ["CPUExecutionProvider"]).run(None, {"x": x})
+    inl = np.ones(64, np.float32)
+    inl[idx] = 0
+    for y, w in ((y1, w1), (y2, w2)):
+        wi = w * inl[:, None]
+        ref = _reference(x * inl, wi, 8) + x[..., idx] @ w[idx]
+        np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-3)
+    plain = _two_matmuls(w1, w2)
+    per_token_int8(plain, ["a", "b"], weight_bits=8)
+    p1, _ = inference_session(plain.SerializeToString(), session_options(1, "disable"),
+                              ["CPUExecutionProvider"]).run(None, {"x": x})
+    exact = x @ w1
+    err_split, err_plain = np.abs(y1 - exact).max(), np.abs(p1 - exact).max()
+    assert err_split < err_plain / 20, (err_split, err_plain)
+    # still per row: a row alone gives the bits it gives in the batch
+    sess = inference_session(m.SerializeToString(), session_options(1, "disable"), ["CPUExecutionProvider"])
+    alone = sess.run(None, {"x": x[1:2, 2:3]})[0]
+    assert np.array_equal(alone[0, 0], y1[1, 2])
+
+
+def test_outlier_channels_are_the_largest_after_smoothing():
+    from pipeline.ort.quantize import outlier_channels
+
+    act = {"t": {"channel_absmax": np.array([1.0, 50.0, 3.0, 40.0], np.float32)},
+           "u": {"channel_absmax": np.array([5.0, 1.0, 2.0], np.float32)}}
+    # smoothing divides t's channel 1 by 100: channel 3 and 2 are now the largest
+    got = outlier_channels(act, {"t": np.array([1, 100, 1, 1], np.float32)}, 2)
+    assert got["t"].tolist() == [2, 3] and got["u"].tolist() == [0, 2]
+    assert outlier_channels(act, {}, 0) == {} and outlier_channels(None, {}, 4) == {}
 
 
 def test_weight_quantization_rounds_half_to_even_and_keeps_zero_columns():
@@ -78,13 +125,14 @@ def test_per_token_engine_records_its_session_config_and_is_portable(tiny_onnx_d
     for isa in ("x86_64-avx2", "x86_64-avx512", "x86_64-avx512vnni", "x86_64-amx"):
         assert isa_accuracy_risk(q, isa) is None
     ops = {n.op_type for n in onnx.load(str(tmp_path / "model.onnx"), load_external_data=False).graph.node}
-    assert "MatMulInteger" in ops and "MatMul" not in ops
+    assert "MatMulIntegerToFloat" in ops and "MatMul" not in ops
     # every input smoothed (down_proj's through up_proj) unless smoothquant_only is set
     stats = json.loads((tmp_path / STATS_FILE).read_text())
     # 2 layers x (attention input, MLP input, down_proj input) + the final norm's output, read by the lm_head
     assert len(stats["smoothquant"]) == 2 * 3 + 1
     assert {v["folded_into"] for v in stats["smoothquant"].values()} == {"norm", "matmul"}
-    assert info["per_token_matmuls"] == info["quantized_matmuls"] == 15
+    # 15 projections, every one quantized, in 9 integer products (q/k/v and gate/up packed)
+    assert info["quantized_matmuls"] == 15 and info["per_token_matmuls"] == 9
     # the U8U8 kernels where u8 x s8 saturates only: with VNNI the option also takes them (0.56x the prompt speed)
     for saturates in (True, False):
         monkeypatch.setattr("pipeline.ort.engine.u8s8_saturates", lambda: saturates)
@@ -122,10 +170,10 @@ def test_a_blockwise_engine_with_a_per_token_prompt_graph(tiny_onnx_dir, tmp_pat
                          options={"method": "blockwise", "prefill": "per_token"})
     meta = json.loads((q / "forge_ort.json").read_text())
     assert meta["prefill_model_file"] == "prefill.onnx" and meta[SATURATING_U8S8_CONFIG_KEY] == SESSION_CONFIG
-    assert info["prefill"]["per_token_matmuls"] == 15 and meta["batch_invariant"] is True
+    assert info["prefill"]["per_token_matmuls"] == 9 and info["prefill"]["packed_gate_up"] == 2 and meta["batch_invariant"] is True
     ops = lambda f: {n.op_type for n in onnx.load(str(q / f), load_external_data=False).graph.node}  # noqa: E731
-    assert "MatMulNBits" in ops("model.onnx") and "MatMulInteger" not in ops("model.onnx")
-    assert "MatMulInteger" in ops("prefill.onnx") and "MatMulNBits" not in ops("prefill.onnx")
+    assert "MatMulNBits" in ops("model.onnx") and "MatMulIntegerToFloat" not in ops("model.onnx")
+    assert "MatMulIntegerToFloat" in ops("prefill.onnx") and "MatMulNBits" not in ops("prefill.onnx")
 
     both, decode_only = OrtEngine(q, threads=1), OrtEngine(q, threads=1, prefill_graph=False)
     assert both.prefill_session is not None and decode_only.prefill_session is None
@@ -213,3 +261,33 @@ def test_blockwise_int8_packs_qkv_and_gate_up_and_computes_the_same_logits(tiny_
     np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
     rows = [[5, 17, 33, 3, 60, 61, 9], [7, 8, 100, 4]]
     assert packed.generate_batch(rows, 10) == plain.generate_batch(rows, 10)
+
+
+@pytest.mark.parametrize("sets, ok", [
+    (["quantize.options.outlier_channels=8"], False),                       # blockwise alone: no per-token graph
+    (["quantize.options.outlier_channels=8", "quantize.options.prefill=per_token"], True),
+    (["quantize.options.outlier_channels=8", "quantize.options.method=per_token"], True),
+    (["quantize.options.outlier_channels=65", "quantize.options.method=per_token"], False),
+])
+def test_outlier_channels_need_a_per_token_graph_and_a_bound(sets, ok):
+    from pipeline.recipe import resolve
+
+    if ok:
+        assert resolve("smollm2-135m-int8", sets).quantize.options["outlier_channels"] == 8
+        return
+    with pytest.raises(ForgeError) as e:
+        resolve("smollm2-135m-int8", sets)
+    assert "quantize.options" in str(e.value) and "outlier_channels" in str(e.value)
+
+
+def test_the_per_token_layout_keys_only_the_recipes_that_make_a_per_token_graph():
+    """A change to the per-token graph (pipeline/ort/per_token.py LAYOUT) rebuilds the recipes that make one; the
+    default's blockwise quantize key does not hold it, so it is not rebuilt for nothing."""
+    from pipeline.ort.per_token import LAYOUT
+    from pipeline.recipe import resolve
+    from pipeline.stages.onnxruntime import OrtQuantize
+
+    cfg = OrtQuantize().config
+    assert "per_token_layout" not in cfg(resolve("smollm2-135m-int8"))
+    for sets in (["quantize.options.prefill=per_token"], ["quantize.options.method=per_token"]):
+        assert cfg(resolve("smollm2-135m-int8", sets))["per_token_layout"] == LAYOUT

@@ -738,6 +738,9 @@ def quantize_onnx(fp32_dir: str | Path, out_dir: str | Path, *, algo: str, calib
                 consumers.setdefault(n.input[0], []).append(module_name(n))
             stats["activations"] = {t: {"consumers": consumers[t], "min": s["min"], "max": s["max"],
                                         **_summarise_channels(s["channel_absmax"])} for t, s in act.items()}
+        if algo == "int8" and o.outlier_channels and act is None:
+            raise ForgeError("quantize.options.outlier_channels picks channels from calibration data "
+                             "(quantize.calibration); set it or drop outlier_channels")
         alpha = o.smoothquant_alpha if algo == "int8" else None
         scales: dict[str, np.ndarray] = {}
         if "smoothquant_alpha" not in o.model_fields_set and calib_windows is None:

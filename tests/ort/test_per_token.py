@@ -291,3 +291,26 @@ def test_the_per_token_layout_keys_only_the_recipes_that_make_a_per_token_graph(
     assert "per_token_layout" not in cfg(resolve("smollm2-135m-int8"))
     for sets in (["quantize.options.prefill=per_token"], ["quantize.options.method=per_token"]):
         assert cfg(resolve("smollm2-135m-int8", sets))["per_token_layout"] == LAYOUT
+
+
+def test_a_per_token_engine_with_outlier_channels_end_to_end(tiny_onnx_dir, tmp_path):
+    """method per_token with outlier_channels through the quantizer: every quantized input keeps K channels in fp32,
+    the engine's rows are bitwise equal alone and batched, and without calibration the option is refused by name."""
+    calib = np.random.default_rng(0).integers(3, 256, (4, 32))
+    info = quantize_onnx(tiny_onnx_dir, tmp_path / "q", algo="int8", calib_windows=calib,
+                         options={"method": "per_token", "outlier_channels": 4})
+    assert info["fp32_outlier_channels"] == 4 * info["quantized_inputs"] and info["quantized_inputs"] == 2 * 4 + 1
+    eng = OrtEngine(tmp_path / "q", threads=1)
+    rows = [np.random.default_rng(s).integers(3, 256, n) for s, n in ((1, 9), (2, 14))]
+    batch, mask = np.zeros((2, 14), np.int64), np.zeros((2, 14), np.int64)
+    for i, r in enumerate(rows):
+        batch[i, :len(r)], mask[i, :len(r)] = r, 1
+    together = eng.logits(batch, mask)
+    for i, r in enumerate(rows):
+        assert np.array_equal(eng.logits(r[None])[0], together[i, :len(r)])
+    ref = OrtEngine(tiny_onnx_dir, threads=1).logits(batch[1:])
+    cos = (together[1] * ref[0]).sum(-1) / (np.linalg.norm(together[1], axis=-1) * np.linalg.norm(ref[0], axis=-1))
+    assert cos.min() > 0.99, cos.min()
+    with pytest.raises(ForgeError, match="outlier_channels"):
+        quantize_onnx(tiny_onnx_dir, tmp_path / "nocalib", algo="int8",
+                      options={"method": "per_token", "outlier_channels": 4})

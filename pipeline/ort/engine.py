@@ -64,6 +64,9 @@ LAYOUTS = ("shared", "concat")
 # forge_ort.json: session config entries for CPUs whose MLAS u8 x s8 GEMM sums in saturating 16-bit lanes only
 SATURATING_U8S8_CONFIG_KEY = "ort_session_config_u8s8_saturating"
 
+# the graph input from which position on a call's logits are computed (pipeline/ort/logits_start.py adds it)
+LOGITS_START = "logits_start"
+
 
 def u8s8_saturates() -> bool:
     """Whether ONNX Runtime's u8 x s8 GEMM sums pairs of products in saturating 16-bit lanes on this CPU: x86 without
@@ -302,6 +305,10 @@ class OrtEngine:
         self.threads, self.device, self.device_id = threads, device, int(device_id)
         self.options = session_options(threads, level)
         self.options.enable_cpu_mem_arena = bool(cpu_arena)
+        if device == "cpu":
+            # ORT warns at every load of a graph with an overridable initializer (logits_start) that it will not
+            # fold it: expected, and nothing a user can act on. CUDA sessions keep their warnings (node placement)
+            self.options.log_severity_level = 3
         # what the graph's producer asks, everywhere and (per_token INT8) where u8 x s8 sums saturate
         asks = dict(self.meta.get("ort_session_config") or {})
         if self.meta.get(SATURATING_U8S8_CONFIG_KEY) and u8s8_saturates():   # the CPU is probed only when asked
@@ -334,6 +341,13 @@ class OrtEngine:
         prefill_file = self.meta.get("prefill_model_file") if prefill_graph and model_file is None else None
         self.prefill_session = inference_session(str(self.model_dir / prefill_file), self.options, providers) \
             if prefill_file else None
+        # graphs the build stage gave a logits_start input (pipeline/ort/logits_start.py): a prompt that reads its
+        # rows' last positions only asks for the logits from there on
+        # (an initializer that is also a graph input: ORT lists it with the overridable initializers, not the inputs)
+        self._sliced = {id(s) for s in (self.session, self.prefill_session)
+                        if s is not None and LOGITS_START in {i.name for i in s.get_overridable_initializers()}}
+        zero = np.zeros(1, np.int64)
+        self._start_zero = (ort.OrtValue.ortvalue_from_numpy(zero), zero)   # the array the OrtValue aliases, kept
         ins = {i.name: i for i in self.session.get_inputs()}
         pat = re.compile(r"past_key_values\.(\d+)\.key$")
         layers = sorted(int(m.group(1)) for n in ins if (m := pat.match(n)))
@@ -448,6 +462,14 @@ class OrtEngine:
                 io.bind_output(pname, self.device)
             cache.mask, cache.width = mask, mask.shape[1]
         io.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
+        start = 0
+        if id(session) in self._sliced:
+            # every call binds it: a shared-layout binding outlives the call, and the next may want every position.
+            # As an OrtValue: bind_cpu_input looks the name up among the graph inputs without initializers and
+            # refuses it (CheckIfTensor, onnxruntime/python/onnxruntime_pybind_state.cc)
+            start = max(int(lengths.min()) - 1, 0) if last_only and logits_out is None else 0
+            io.bind_ortvalue_input(LOGITS_START, self._start_zero[0] if start == 0 else
+                                   ort.OrtValue.ortvalue_from_numpy(np.array([start], np.int64)))
         on_device = last_only and self.device != "cpu" and logits_out is None
         if logits_out is not None:
             io.bind_ortvalue_output("logits", logits_out[0])
@@ -466,7 +488,7 @@ class OrtEngine:
         if logits_out is not None:
             return logits_out[1]
         if last_only:
-            idx = np.maximum(lengths, 1) - 1
+            idx = np.maximum(lengths, 1) - 1 - start
             return self._gather_rows(logits, idx) if on_device else logits.numpy()[np.arange(B), idx]
         return logits.numpy()
 

@@ -81,11 +81,14 @@ def _copy_data(src: Path, dst: Path) -> None:
 def fuse_cpu_norms(in_dir: str | Path, out_dir: str | Path) -> dict:
     """Each graph of ``in_dir`` with its RMSNorms fused for the CPU provider, written to ``out_dir`` with the
     weights' data files copied as they are (never parsed) and the side files copied. Returns
-    ``{graph: {"rms_norms": n, "skip_norms": m, "nodes_before": a, "nodes_after": b}}``; a graph with no norm to
-    fuse is written unchanged."""
+    ``{graph: {"rms_norms": n, "skip_norms": m, "nodes_before": a, "nodes_after": b, "logits_start": bool}}``; a
+    graph with no norm to fuse is written unchanged. Each graph also gets the ``logits_start`` input after its final
+    norm (pipeline/ort/logits_start.py), so a prompt computes the lm_head for the positions it reads."""
     import onnx
     from onnxruntime.transformers.fusion_skiplayernorm import FusionSkipLayerNormalization
     from onnxruntime.transformers.onnx_model import OnnxModel
+
+    from .logits_start import add_logits_start
 
     in_dir, out_dir = Path(in_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -104,12 +107,13 @@ def fuse_cpu_norms(in_dir: str | Path, out_dir: str | Path) -> dict:
                                      shape_infer=False).apply()   # = FusionSkipSimplifiedLayerNormalization's
         om.prune_graph()
         om.topological_sort()
+        sliced = add_logits_start(om.model)
         ops = Counter(n.op_type for n in om.model.graph.node)
         onnx.save_model(om.model, str(out_dir / name))   # external tensors keep their location, offset, length
         for f in data_files:
             _copy_data(in_dir / f, out_dir / f)
         result[name] = {"rms_norms": ops["SimplifiedLayerNormalization"] + ops["SkipSimplifiedLayerNormalization"],
                         "skip_norms": ops["SkipSimplifiedLayerNormalization"],
-                        "nodes_before": before, "nodes_after": len(om.model.graph.node)}
+                        "nodes_before": before, "nodes_after": len(om.model.graph.node), "logits_start": sliced}
     copy_side_files(in_dir, out_dir)
     return result

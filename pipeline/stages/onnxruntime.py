@@ -215,7 +215,8 @@ class OrtBuildStage(CudaAware, Stage):
     out_link = "engine"
     # 2: fp16 (CUDA) graphs with fused RMSNorms and packed QKV (the fp16 norm-statistics overflow)
     # 3: CPU graphs with fused RMSNorms and residual adds (SkipSimplifiedLayerNormalization, pipeline/ort/norms.py)
-    version = "3"
+    # 4: CPU graphs take logits_start (a prompt computes the lm_head for the positions it reads; ort/logits_start.py)
+    version = "4"
     needs = ("quantize", "source")
     tools = ORT_TOOLS
     section = "build.onnxruntime"

@@ -228,6 +228,9 @@ def fake_onnxruntime() -> types.SimpleNamespace:
         def get_outputs(self):
             return self._out
 
+        def get_overridable_initializers(self):   # the fake graphs have none (no logits_start)
+            return []
+
         def get_providers(self):
             return self._providers
 

@@ -1,5 +1,6 @@
 """The build stage's ``logits_start`` input (pipeline/ort/logits_start.py): a prompt that reads its rows' last
-positions asks the lm_head for those only; a caller that does not feed it gets every position, as before."""
+positions asks the lm_head for those only; a caller that does not feed it gets every position, as before (ONNX
+Runtime GenAI on the built graph: tests/ort/test_genai_contract.py)."""
 
 import numpy as np
 import onnx
@@ -66,20 +67,3 @@ def test_added_once_and_only_where_the_lm_head_path_is_alone(built, tiny_onnx_di
     raw = onnx.load(str(tiny_onnx_dir / "model.onnx"), load_external_data=False)
     assert add_logits_start(raw) is False                    # unfused norms: no final norm node to slice after
 
-
-def test_genai_runs_a_graph_with_the_input_and_generates_the_same(built, tmp_path):
-    """ONNX Runtime GenAI never feeds logits_start (it does not know it): the graph gives it every position and
-    GenAI's greedy tokens are our runtime's."""
-    from bench.peers import oga_on_ours
-
-    d = oga_on_ours(built, tmp_path / "oga")
-    og = pytest.importorskip("onnxruntime_genai")
-    model = og.Model(str(d))
-    prompt = [5, 17, 99, 3, 42, 7]
-    p = og.GeneratorParams(model)
-    p.set_search_options(max_length=len(prompt) + 8, batch_size=1, do_sample=False)
-    g = og.Generator(model, p)
-    g.append_tokens(np.array([prompt], np.int32))
-    while not g.is_done():
-        g.generate_next_token()
-    assert list(g.get_sequence(0))[len(prompt):] == OrtEngine(built, threads=1).generate(prompt, 8)

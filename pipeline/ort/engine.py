@@ -118,9 +118,12 @@ def _bar(desc: str, total: int | None) -> Iterator[Callable[[int], None]]:
             yield adv
 
 
-def session_options(threads: int = 0, level: str = "all", optimized_path: str | None = None) -> ort.SessionOptions:
+def session_options(threads: int = 0, level: str = "all", optimized_path: str | None = None, *,
+                    quiet: bool = False) -> ort.SessionOptions:
     """SessionOptions with ``threads`` intra-op threads (0 = ORT default) and a graph optimisation ``level``
-    (disable | basic | extended | all)."""
+    (disable | basic | extended | all). ``quiet`` (CPU sessions): errors only -- ORT warns at every load of a graph
+    with an overridable initializer (logits_start) that it will not fold it: expected, and nothing a user can act
+    on. CUDA sessions keep their warnings (node placement)."""
     levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
               "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
               "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
@@ -134,6 +137,8 @@ def session_options(threads: int = 0, level: str = "all", optimized_path: str | 
         so.inter_op_num_threads = 1
     if optimized_path:
         so.optimized_model_filepath = str(optimized_path)
+    if quiet:
+        so.log_severity_level = 3
     return so
 
 
@@ -303,12 +308,8 @@ class OrtEngine:
         if not self.model_path.exists():
             raise FileNotFoundError(f"no ONNX model at {self.model_path}")
         self.threads, self.device, self.device_id = threads, device, int(device_id)
-        self.options = session_options(threads, level)
+        self.options = session_options(threads, level, quiet=device == "cpu")
         self.options.enable_cpu_mem_arena = bool(cpu_arena)
-        if device == "cpu":
-            # ORT warns at every load of a graph with an overridable initializer (logits_start) that it will not
-            # fold it: expected, and nothing a user can act on. CUDA sessions keep their warnings (node placement)
-            self.options.log_severity_level = 3
         # what the graph's producer asks, everywhere and (per_token INT8) where u8 x s8 sums saturate
         asks = dict(self.meta.get("ort_session_config") or {})
         if self.meta.get(SATURATING_U8S8_CONFIG_KEY) and u8s8_saturates():   # the CPU is probed only when asked

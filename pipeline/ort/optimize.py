@@ -77,9 +77,7 @@ def optimize(in_dir: str | Path, out_dir: str | Path, *, level: str = "extended"
         for name in graphs:
             for f in (out_dir / name, out_dir / (name + ".data")):
                 f.unlink(missing_ok=True)
-            so = session_options(threads, level, optimized_path=str(out_dir / name))
-            if provider == "cpu":
-                so.log_severity_level = 3   # the logits_start warning (pipeline/ort/engine.py says why)
+            so = session_options(threads, level, optimized_path=str(out_dir / name), quiet=provider == "cpu")
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name", name + ".data")
             so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
             # saves the optimised graph (optimized_model_filepath)
